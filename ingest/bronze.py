@@ -1,0 +1,141 @@
+"""Kafka records -> bronze rows: every record kept, parsed where it can be, with the reason where not.
+
+Pure ``DataFrame -> DataFrame`` functions; the same code runs on a streaming read of Kafka and on a
+batch read (tests, backfills).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from iotmon.config import Settings
+from iotmon.schema import (
+    DEVICE_ID,
+    EVENT_TIME,
+    METRIC_NAMES,
+    RAW_PAYLOAD_SCHEMA,
+    READING_COLUMNS,
+    SEQ,
+)
+
+BRONZE_STAGE = "bronze"
+_CORRUPT = "_corrupt_record"
+_DEVICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+_ISO_TIMESTAMP_PATTERN = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})?$"
+
+
+@dataclass(frozen=True)
+class PayloadRules:
+    """What makes a payload acceptable, beyond being JSON with the required fields of the right types."""
+
+    max_payload_bytes: int = 64 * 1024
+    max_clock_skew_seconds: int = 86_400
+    min_event_time: str = "2000-01-01T00:00:00Z"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PayloadRules:
+        return cls(settings.max_payload_bytes, settings.max_clock_skew_seconds, settings.min_event_time)
+
+
+def _typed_fields(raw: Column) -> dict[str, Column]:
+    """Each required field converted from its raw JSON text; null when absent or of the wrong type.
+
+    Numbers given as JSON strings ("97") are accepted. Spark hands the bare tokens NaN/Infinity back
+    quoted, hence the trim, so they are reported as non-finite rather than mistyped.
+    """
+    typed = {
+        DEVICE_ID: F.when(raw[DEVICE_ID].rlike(_DEVICE_ID_PATTERN), raw[DEVICE_ID]),
+        SEQ: raw[SEQ].try_cast("bigint"),
+        EVENT_TIME: F.when(raw[EVENT_TIME].rlike(_ISO_TIMESTAMP_PATTERN), raw[EVENT_TIME].try_cast("timestamp")),
+    }
+    for name in METRIC_NAMES:
+        typed[name] = F.btrim(raw[name], F.lit('"')).try_cast("double")
+    return typed
+
+
+def _errors(value: Column, raw: Column, typed: dict[str, Column], kafka_ts: Column, rules: PayloadRules) -> Column:
+    """Every problem of a record as a comma-separated list of ``code[:field]``, or null when it is clean."""
+    size = F.octet_length(value)
+    structural = (
+        F.when(value.isNull() | (size == 0), F.lit("empty_payload"))
+        .when(size > rules.max_payload_bytes, F.concat(F.lit("oversized_payload:"), size.cast("string")))
+        .when(~F.is_valid_utf8(value.cast("string")), F.lit("invalid_utf8"))
+        .when(raw.isNull() | raw[_CORRUPT].isNotNull(), F.lit("invalid_json"))
+    )
+    field_problems = []
+    for name, column in typed.items():
+        field_problems.append(
+            F.when(raw[name].isNull(), F.lit(f"missing_field:{name}")).when(
+                column.isNull(), F.lit(f"mistyped_field:{name}")
+            )
+        )
+    for name in METRIC_NAMES:
+        column = typed[name]
+        field_problems.append(
+            F.when(F.isnan(column) | F.abs(column).eqNullSafe(float("inf")), F.lit(f"non_finite:{name}"))
+        )
+    event_time = typed[EVENT_TIME]
+    field_problems.append(
+        F.when(
+            (event_time < F.lit(rules.min_event_time).cast("timestamp"))
+            | (F.unix_seconds(event_time) > F.unix_seconds(kafka_ts) + rules.max_clock_skew_seconds),
+            F.lit("absurd_event_time"),
+        )
+    )
+    problems = F.when(structural.isNotNull(), F.array(structural)).otherwise(
+        F.array_compact(F.array(*field_problems))
+    )
+    return F.when(F.size(problems) > 0, F.array_join(problems, ", "))
+
+
+def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
+    """Kafka source rows (key, value, topic, partition, offset, timestamp) -> rows of ``BRONZE_SCHEMA``.
+
+    Oversized payloads are not parsed at all, so one huge message costs no JSON work. Reading columns are
+    null whenever ``parse_error`` is set: a row is either a complete reading or a described failure.
+    ``ingest_time`` is wall-clock; that is safe because the Delta sink commits a batch at most once, and a
+    batch that never committed is recomputed as a whole.
+    """
+    value = F.col("value")
+    raw_schema = RAW_PAYLOAD_SCHEMA.add(_CORRUPT, "string")
+    raw = F.when(
+        F.octet_length(value) <= rules.max_payload_bytes,
+        F.from_json(value.cast("string"), raw_schema, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT}),
+    )
+    with_raw = kafka_records.withColumn("_raw", raw)
+    raw_col = F.col("_raw")
+    typed = _typed_fields(raw_col)
+    error = _errors(value, raw_col, typed, F.col("timestamp"), rules)
+    with_error = with_raw.withColumn("parse_error", error)
+    clean = F.col("parse_error").isNull()
+    return with_error.select(
+        F.col("topic"),
+        F.col("partition"),
+        F.col("offset"),
+        F.col("timestamp").alias("kafka_timestamp"),
+        F.col("key").cast("string").alias("key"),
+        value.alias("value"),
+        F.current_timestamp().alias("ingest_time"),
+        F.to_date("timestamp").alias("ingest_date"),
+        *[F.when(clean, column).cast(READING_COLUMNS[name].dataType).alias(name) for name, column in typed.items()],
+        F.col("parse_error"),
+    )
+
+
+def quarantine_rows(bronze: DataFrame) -> DataFrame:
+    """Bronze rows that failed parsing, as rows of ``QUARANTINE_SCHEMA`` (later stages add their own)."""
+    return bronze.where(F.col("parse_error").isNotNull()).select(
+        F.lit(BRONZE_STAGE).alias("stage"),
+        "topic",
+        "partition",
+        "offset",
+        "kafka_timestamp",
+        "key",
+        "value",
+        F.col("parse_error").alias("reason"),
+        "ingest_time",
+    )
+

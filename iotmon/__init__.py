@@ -1,0 +1,1 @@
+"""Shared contracts of the pipeline: settings, event schema, table names, Spark session, embedded broker, CLI."""

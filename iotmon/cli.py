@@ -1,0 +1,280 @@
+"""``iotmon``: the command line. Thin on purpose: parse arguments, call a stage, report, exit."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from iotmon.config import ConfigError, Settings, describe_settings, interval_seconds
+
+EXIT_MISMATCH = 1
+EXIT_ERROR = 2
+
+
+class CommandError(RuntimeError):
+    """A failure the user can act on; printed without a stack trace."""
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from iotmon.broker import BrokerError
+    from iotmon.jars import ResolutionError
+    from iotmon.kafka import KafkaUnavailable
+    from iotmon.queries import QueryFailed
+
+    return (CommandError, ConfigError, BrokerError, ResolutionError, KafkaUnavailable, QueryFailed)
+
+
+# --- kafka -------------------------------------------------------------------------------------------------
+
+
+def cmd_kafka(settings: Settings, args: argparse.Namespace) -> int:
+    from iotmon import broker
+
+    if args.action == "start":
+        started = time.monotonic()
+        status = broker.start(settings)
+        print(status.report())
+        print(f"  ready after {time.monotonic() - started:.1f}s")
+    elif args.action == "stop":
+        print("kafka broker stopped" if broker.stop(settings) else "kafka broker was not running")
+    else:
+        status = broker.status(settings)
+        print(status.report())
+        return 0 if status.running else 3
+    return 0
+
+
+# --- simulate ----------------------------------------------------------------------------------------------
+
+
+def _simulation_options(args: argparse.Namespace):  # -> SimulationOptions (import kept lazy for start-up speed)
+    from simulators.publish import SimulationOptions
+
+    if args.rate is None and args.events is None and args.duration is None:
+        raise CommandError("give --events N or --duration SECONDS for a backlog, or --rate EVENTS_PER_S for real time")
+    return SimulationOptions(
+        devices=args.devices,
+        seed=args.seed,
+        events=args.events,
+        duration=args.duration,
+        rate=args.rate,
+        interval=args.interval,
+        start=args.start,
+        late_fraction=args.late_fraction,
+        very_late_fraction=args.very_late_fraction,
+        duplicate_fraction=args.duplicate_fraction,
+        malformed_fraction=args.malformed_fraction,
+        anomaly_fraction=args.anomaly_fraction,
+        dropout_fraction=args.dropout_fraction,
+        truth_path=args.truth,
+        progress=not args.quiet,
+    )
+
+
+def cmd_simulate(settings: Settings, args: argparse.Namespace) -> int:
+    from simulators.publish import run_simulation
+
+    summary = run_simulation(settings, _simulation_options(args))
+    print(summary.report())
+    return 0 if summary.failed == 0 else EXIT_MISMATCH
+
+
+# --- stream ------------------------------------------------------------------------------------------------
+
+
+def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
+    from iotmon.kafka import ensure_topic
+    from iotmon.queries import run_continuously, run_until_idle
+    from iotmon.spark import spark_session
+
+    ensure_topic(settings)
+    spark = spark_session(settings, "iotmon-stream")
+    ensure_archive_tables(spark, settings)
+    if args.until_idle:
+        run_until_idle(spark, settings, ARCHIVE_QUERIES)
+        return 0
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    print(
+        f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval}; "
+        "Ctrl-C or SIGTERM stops cleanly",
+        file=sys.stderr,
+        flush=True,
+    )
+    run_continuously(spark, settings, ARCHIVE_QUERIES, stop)
+    return 0
+
+
+# --- verify ------------------------------------------------------------------------------------------------
+
+
+def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
+    from ingest.verify import reconcile
+    from iotmon.spark import spark_session
+
+    truth = _truth_files(settings, args.truth, args.all_truth)
+    spark = spark_session(settings, "iotmon-verify")
+    result = reconcile(spark, settings, truth)
+    print(result.report())
+    return 0 if not result.problems else EXIT_MISMATCH
+
+
+def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> list[Path]:
+    files = list(given)
+    if all_truth:
+        files += sorted((settings.home / "truth").glob("*.parquet"))
+    missing = [path for path in files if not path.exists()]
+    if missing:
+        raise CommandError(f"ground-truth file not found: {missing[0]}")
+    return files
+
+
+# --- setup, config, reset ----------------------------------------------------------------------------------
+
+
+def cmd_setup(settings: Settings, args: argparse.Namespace) -> int:
+    """Resolve every jar now, so later starts (broker, Spark) work offline."""
+    from iotmon.jars import bundle_dir, kafka_broker_bundle, resolve, spark_extras_bundle
+
+    for bundle in (kafka_broker_bundle(), spark_extras_bundle()):
+        jars = resolve(settings, bundle)
+        print(f"{bundle.name}: {len(jars)} jars in {bundle_dir(settings, bundle)}")
+    return 0
+
+
+def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
+    for variable, default, meaning in describe_settings():
+        print(f"{variable:<32} {default or '-':<24} {meaning}")
+    return 0
+
+
+def cmd_reset(settings: Settings, args: argparse.Namespace) -> int:
+    """Wipe lake and checkpoints together (and Kafka's data with --kafka): they are only valid together."""
+    from iotmon import broker
+
+    targets = [Path(settings.lake_root), Path(settings.checkpoint_root), settings.home / "truth"]
+    if args.kafka:
+        if broker.status(settings).running:
+            raise CommandError("stop the broker first (`iotmon kafka stop`), then reset with --kafka")
+        targets.append(broker.broker_paths(settings).data)
+    for target in targets:
+        if "://" in str(target):
+            raise CommandError(f"refusing to delete remote storage {target}; remove it with your storage tools")
+        if target.exists():
+            shutil.rmtree(target)
+            print(f"removed {target}")
+    return 0
+
+
+# --- demo --------------------------------------------------------------------------------------------------
+
+
+def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
+    """Broker, a real-time fleet and the archive stream; on exit, drain and reconcile."""
+    from iotmon import broker
+
+    print(broker.start(settings).report(), flush=True)
+    truth = settings.home / "truth" / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
+    simulator_cmd = [
+        sys.executable, "-m", "iotmon.cli", "simulate", "--devices", str(args.devices), "--rate", str(args.rate),
+        "--truth", str(truth), "--quiet",
+    ]
+    if args.duration:
+        simulator_cmd += ["--duration", str(args.duration)]
+    simulator = subprocess.Popen(simulator_cmd)
+    print(f"simulator: {args.devices} devices at {args.rate:g} events/s (pid {simulator.pid}); truth -> {truth}")
+    stream_args = argparse.Namespace(until_idle=False)
+    if args.duration:
+        timer = threading.Timer(args.duration + interval_seconds(settings.trigger_interval) * 2,
+                                lambda: signal.raise_signal(signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+    try:
+        cmd_stream(settings, stream_args)
+    finally:
+        if simulator.poll() is None:
+            simulator.send_signal(signal.SIGINT)
+        simulator.wait()
+    print("draining what is left in Kafka, then reconciling ...", flush=True)
+    cmd_stream(settings, argparse.Namespace(until_idle=True))
+    return cmd_verify(settings, argparse.Namespace(truth=[truth] if truth.exists() else [], all_truth=False))
+
+
+# --- parser ------------------------------------------------------------------------------------------------
+
+
+def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=int, default=100, help="fleet size (default 100)")
+    parser.add_argument("--seed", type=int, default=42, help="random seed: same seed, same fleet and readings")
+    parser.add_argument("--events", type=int, help="stop after this many records")
+    parser.add_argument("--duration", type=float, help="seconds: simulated time (backlog) or wall time (--rate)")
+    parser.add_argument("--rate", type=float, help="real time at this many events/s (event time = wall clock)")
+    parser.add_argument("--interval", type=float, default=1.0, help="backlog: seconds between a device's readings")
+    parser.add_argument("--start", type=datetime.fromisoformat, help="backlog: first event time (ISO-8601)")
+    parser.add_argument("--late-fraction", type=float, default=0.02, help="late, within the watermark")
+    parser.add_argument("--very-late-fraction", type=float, default=0.005, help="late, far beyond the watermark")
+    parser.add_argument("--duplicate-fraction", type=float, default=0.01, help="the same reading sent twice")
+    parser.add_argument("--malformed-fraction", type=float, default=0.005, help="corrupted payloads")
+    parser.add_argument("--anomaly-fraction", type=float, default=0.01, help="readings inside anomaly episodes")
+    parser.add_argument("--dropout-fraction", type=float, default=0.01, help="device time spent silent")
+    parser.add_argument("--truth", type=Path, help="ground-truth Parquet (default $IOTMON_HOME/truth/run-SEED.parquet)")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="iotmon",
+        description="IoT device monitoring on Kafka, Spark Structured Streaming and Delta Lake.",
+        epilog="Configuration comes from IOTMON_* environment variables: see `iotmon config`.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, handler: Callable[[Settings, argparse.Namespace], int], help_text: str):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(handler=handler)
+        return p
+
+    kafka = command("kafka", cmd_kafka, "start, stop or inspect the embedded single-node Kafka broker")
+    kafka.add_argument("action", choices=("start", "stop", "status"))
+    _add_simulate_arguments(command("simulate", cmd_simulate, "publish a simulated sensor fleet to Kafka"))
+    stream = command("stream", cmd_stream, "run the streaming queries (Kafka -> bronze -> quarantine)")
+    stream.add_argument("--until-idle", action="store_true", help="process what Kafka holds now, then exit 0")
+    verify = command("verify", cmd_verify, "reconcile Kafka, the lake and the ground truth; non-zero on mismatch")
+    verify.add_argument("--truth", type=Path, action="append", default=[], help="ground-truth file (repeatable)")
+    verify.add_argument("--all-truth", action="store_true", help="use every file in $IOTMON_HOME/truth")
+    command("setup", cmd_setup, "download the broker's and Spark's jars now, for offline starts later")
+    command("config", cmd_config, "list the IOTMON_* settings with their defaults")
+    reset = command("reset", cmd_reset, "delete the lake, checkpoints and truth files (they go together)")
+    reset.add_argument("--kafka", action="store_true", help="also delete the embedded broker's data")
+    demo = command("demo", cmd_demo, "broker + real-time fleet + streaming archive; Ctrl-C drains and reconciles")
+    demo.add_argument("--devices", type=int, default=200)
+    demo.add_argument("--rate", type=float, default=500.0, help="events/s")
+    demo.add_argument("--duration", type=float, help="seconds to run (default: until Ctrl-C)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        return args.handler(settings, args)
+    except _known_errors() as exc:
+        print(f"iotmon {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"iotmon {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

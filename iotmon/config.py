@@ -1,0 +1,166 @@
+"""Typed settings with local defaults, overridable by ``IOTMON_*`` environment variables.
+
+Every stage reads its configuration from here, so the same code runs against the embedded broker and a
+local lake, or against a Kafka cluster, a Spark master and an object store, by environment alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+ENV_PREFIX = "IOTMON_"
+
+
+class ConfigError(ValueError):
+    """A setting has a value that cannot be used; the message names the environment variable."""
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError("expected one of true/false/1/0/yes/no/on/off")
+
+
+def _parse_positive_int(raw: str) -> int:
+    value = int(raw)
+    if value <= 0:
+        raise ValueError("expected a positive integer")
+    return value
+
+
+def _parse_optional_positive_int(raw: str) -> int | None:
+    if raw.strip().lower() in {"", "none", "0"}:
+        return None
+    return _parse_positive_int(raw)
+
+
+def _parse_interval(raw: str) -> str:
+    """Validate a Spark interval such as ``5 seconds`` or ``2 minutes`` and return it unchanged."""
+    parts = raw.strip().split()
+    units = {"second", "seconds", "minute", "minutes", "hour", "hours", "millisecond", "milliseconds"}
+    if len(parts) != 2 or not parts[0].isdigit() or parts[1].lower() not in units:
+        raise ValueError("expected '<number> seconds|minutes|hours', e.g. '5 seconds'")
+    return raw.strip()
+
+
+def interval_seconds(interval: str) -> float:
+    """Seconds in a Spark interval string accepted by ``_parse_interval``."""
+    amount, unit = interval.split()
+    scale = {"millisecond": 0.001, "second": 1, "minute": 60, "hour": 3600}[unit.lower().rstrip("s")]
+    return int(amount) * scale
+
+
+def _setting(env: str, default: Any, parse: Callable[[str], Any] = str, doc: str = "") -> Any:
+    return field(default=default, metadata={"env": env, "parse": parse, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All knobs of the pipeline; ``Settings.from_env()`` is the only way the CLI builds one."""
+
+    home: Path = _setting("HOME", Path("var"), Path, "Local state: broker data, lake, checkpoints, MLflow.")
+    cache_dir: Path | None = _setting(
+        "CACHE_DIR", None, Path, "Downloaded jars and the Maven repository (default: $IOTMON_HOME/cache)."
+    )
+    lake: str | None = _setting(
+        "LAKE", None, str, "Root of the Delta tables: a path or an object-store URI (default: $IOTMON_HOME/lake)."
+    )
+    checkpoints: str | None = _setting(
+        "CHECKPOINTS", None, str, "Root of streaming checkpoints (default: $IOTMON_HOME/checkpoints)."
+    )
+    kafka_bootstrap: str = _setting("KAFKA_BOOTSTRAP", "127.0.0.1:9092", str, "Kafka bootstrap servers.")
+    kafka_controller_port: int = _setting(
+        "KAFKA_CONTROLLER_PORT", 9093, _parse_positive_int, "Controller port of the embedded broker."
+    )
+    kafka_heap: str = _setting("KAFKA_HEAP", "512m", str, "Java heap of the embedded broker.")
+    topic: str = _setting("TOPIC", "iotmon.readings", str, "Topic the sensors publish to.")
+    topic_partitions: int = _setting(
+        "TOPIC_PARTITIONS", 4, _parse_positive_int, "Partitions of the readings topic when iotmon creates it."
+    )
+    spark_master: str = _setting("SPARK_MASTER", "local[2]", str, "Spark master URL.")
+    spark_driver_memory: str = _setting("SPARK_DRIVER_MEMORY", "3g", str, "Spark driver memory.")
+    shuffle_partitions: int = _setting(
+        "SHUFFLE_PARTITIONS", 4, _parse_positive_int, "spark.sql.shuffle.partitions (fixed into checkpoints)."
+    )
+    trigger_interval: str = _setting(
+        "TRIGGER_INTERVAL", "5 seconds", _parse_interval, "Processing-time trigger of `iotmon stream`."
+    )
+    max_offsets_per_trigger: int | None = _setting(
+        "MAX_OFFSETS_PER_TRIGGER", 1_000_000, _parse_optional_positive_int, "Cap on Kafka records per batch."
+    )
+    max_payload_bytes: int = _setting(
+        "MAX_PAYLOAD_BYTES", 64 * 1024, _parse_positive_int, "Larger payloads are quarantined unparsed."
+    )
+    max_clock_skew_seconds: int = _setting(
+        "MAX_CLOCK_SKEW_SECONDS", 86_400, _parse_positive_int, "How far event time may lead the Kafka timestamp."
+    )
+    min_event_time: str = _setting("MIN_EVENT_TIME", "2000-01-01T00:00:00Z", str, "Earliest plausible event time.")
+    watermark: str = _setting(
+        "WATERMARK", "2 minutes", _parse_interval, "How late a reading may arrive and still update its window."
+    )
+    query_restarts: int = _setting(
+        "QUERY_RESTARTS", 5, int, "Times `iotmon stream` restarts a failed query before giving up."
+    )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from ``IOTMON_*`` variables; bad values raise ``ConfigError`` naming the variable."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = ENV_PREFIX + f.metadata["env"]
+            raw = environ.get(name)
+            if raw is None or f.name in overrides:
+                continue
+            try:
+                values[f.name] = f.metadata["parse"](raw)
+            except ValueError as exc:
+                raise ConfigError(f"{name}={raw!r} is not valid: {exc}") from None
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def cache(self) -> Path:
+        return (self.cache_dir or self.home / "cache").absolute()
+
+    @property
+    def lake_root(self) -> str:
+        return self.lake or str((self.home / "lake").absolute())
+
+    @property
+    def checkpoint_root(self) -> str:
+        return self.checkpoints or str((self.home / "checkpoints").absolute())
+
+    def table_path(self, table: str) -> str:
+        """Location of a Delta table; tables are addressed by path so non-Spark readers find them too."""
+        return f"{self.lake_root.rstrip('/')}/{table}"
+
+    def checkpoint_path(self, query: str) -> str:
+        return f"{self.checkpoint_root.rstrip('/')}/{query}"
+
+    @property
+    def kafka_host_port(self) -> tuple[str, int]:
+        """Host and port of the first bootstrap server, which is where the embedded broker listens."""
+        first = self.kafka_bootstrap.split(",")[0].strip()
+        host, _, port = first.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"IOTMON_KAFKA_BOOTSTRAP={self.kafka_bootstrap!r} is not host:port")
+        return host, int(port)
+
+
+def describe_settings() -> list[tuple[str, str, str]]:
+    """(variable, default, meaning) for every setting: the configuration reference."""
+    rows = []
+    for f in fields(Settings):
+        default = f.default
+        rows.append((ENV_PREFIX + f.metadata["env"], "" if default is None else str(default), f.metadata["doc"]))
+    return rows

@@ -1,0 +1,137 @@
+"""Running streaming queries: until the input is drained, or continuously under supervision.
+
+Each stage contributes ``QuerySpec``s; this module starts them with a trigger, restarts a failed one with
+backoff, reports progress and stops them cleanly. Exactly-once does not depend on any of it: a query
+restarted from its checkpoint replays uncommitted batches into idempotent sinks.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from pyspark.errors import StreamingQueryException
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from iotmon.config import Settings
+
+Trigger = dict[str, Any]
+"""Keyword arguments of ``DataStreamWriter.trigger``: ``{"availableNow": True}``, ``{"processingTime": ...}``."""
+
+AVAILABLE_NOW: Trigger = {"availableNow": True}
+
+
+@dataclass(frozen=True)
+class QuerySpec:
+    name: str
+    start: Callable[[SparkSession, Settings, Trigger], StreamingQuery]
+
+
+class QueryFailed(RuntimeError):
+    """A query failed more often than ``IOTMON_QUERY_RESTARTS`` allows."""
+
+
+_HINTS = {
+    "data may have been missed": (
+        "The topic holds fewer records than the checkpoint has already read: Kafka's data was reset while "
+        "the lake and checkpoints were kept. Wipe both together (`iotmon reset`) or restore the broker's data."
+    ),
+    "UnknownTopicOrPartition": "The topic does not exist on the broker; `iotmon simulate` creates it.",
+}
+
+
+def explain(error: BaseException | str) -> str:
+    """The first line of a query error, with a hint when the cause is a known operator mistake."""
+    text = str(error)
+    first = text.strip().splitlines()[0] if text.strip() else repr(error)
+    hints = [hint for needle, hint in _HINTS.items() if needle in text]
+    return first + ("\n  hint: " + hints[0] if hints else "")
+
+
+def progress_line(query: StreamingQuery) -> str:
+    progress = query.lastProgress
+    if not progress:
+        return f"{query.name:<12} starting"
+    lag = 0
+    for source in progress.get("sources", []):
+        end, latest = source.get("endOffset"), source.get("latestOffset")
+        if isinstance(end, dict) and isinstance(latest, dict):
+            for topic, partitions in latest.items():
+                for partition, offset in partitions.items():
+                    lag += max(0, int(offset) - int(end.get(topic, {}).get(partition, offset)))
+    return (
+        f"{query.name:<12} batch {progress['batchId']:>5}  rows {progress['numInputRows']:>9,}  "
+        f"in {progress.get('inputRowsPerSecond', 0):>10,.0f}/s  "
+        f"done {progress.get('processedRowsPerSecond', 0):>10,.0f}/s  "
+        f"batch {progress['durationMs'].get('triggerExecution', 0) / 1000:>6.2f}s  kafka lag {lag:,}"
+    )
+
+
+def run_until_idle(
+    spark: SparkSession, settings: Settings, specs: Sequence[QuerySpec], out: TextIO = sys.stderr
+) -> dict[str, int]:
+    """Run each query with the available-now trigger, in order, so each sees all its upstream wrote."""
+    rows: dict[str, int] = {}
+    for spec in specs:
+        started = time.monotonic()
+        query = spec.start(spark, settings, AVAILABLE_NOW)
+        try:
+            query.awaitTermination()
+        except StreamingQueryException as exc:
+            raise QueryFailed(f"query {spec.name} failed: {explain(exc)}") from exc
+        rows[spec.name] = sum(p["numInputRows"] for p in query.recentProgress)
+        print(
+            f"{spec.name:<12} drained {rows[spec.name]:,} rows in {time.monotonic() - started:.1f}s",
+            file=out,
+            flush=True,
+        )
+    return rows
+
+
+def run_continuously(
+    spark: SparkSession,
+    settings: Settings,
+    specs: Sequence[QuerySpec],
+    stop: threading.Event,
+    out: TextIO = sys.stderr,
+    report_every: float = 10.0,
+) -> None:
+    """Run the queries until ``stop`` is set, restarting a failed query with exponential backoff."""
+    trigger: Trigger = {"processingTime": settings.trigger_interval}
+    queries = {spec.name: spec.start(spark, settings, trigger) for spec in specs}
+    failures: Counter[str] = Counter()
+    next_report = time.monotonic() + report_every
+    try:
+        while not stop.wait(0.5):
+            for spec in specs:
+                query = queries[spec.name]
+                if query.isActive:
+                    continue
+                failures[spec.name] += 1
+                error = query.exception()
+                reason = explain(error) if error is not None else "stopped"
+                if failures[spec.name] > settings.query_restarts:
+                    raise QueryFailed(
+                        f"query {spec.name} failed {failures[spec.name]} times; last error: {reason}\n"
+                        "Fix the cause and run `iotmon stream` again: it resumes from its checkpoint."
+                    )
+                backoff = min(30.0, 2.0 ** failures[spec.name])
+                print(f"{spec.name}: query ended ({reason}); restarting in {backoff:.0f}s", file=out, flush=True)
+                if stop.wait(backoff):
+                    break
+                queries[spec.name] = spec.start(spark, settings, trigger)
+            if time.monotonic() >= next_report:
+                for query in queries.values():
+                    print(progress_line(query), file=out, flush=True)
+                next_report = time.monotonic() + report_every
+    finally:
+        for query in queries.values():
+            if query.isActive:
+                query.stop()
+        print("stopped all queries", file=out, flush=True)

@@ -1,0 +1,123 @@
+"""The event contract shared by the simulator, the archive and every later stage.
+
+A sensor reading travels as one JSON object per Kafka record, keyed by ``device_id``::
+
+    {"device_id": "dev-000042", "seq": 17, "event_time": "2026-11-22T01:02:03.456Z",
+     "temperature": 21.4, "humidity": 41.0, "vibration": 2.1, "pressure": 101.2, "battery": 97.5}
+
+``seq`` increases by one per reading of a device, so ``(device_id, seq)`` identifies a reading even when
+it is sent twice. Unknown extra fields are ignored (forward-compatible producers); a missing or mistyped
+required field makes the record malformed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspark.sql.types import (
+    BinaryType,
+    DateType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    unit: str
+    low: float
+    high: float
+    """Physically plausible range; readings outside it are sensor faults, not weather."""
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("temperature", "°C", -40.0, 150.0),
+    Metric("humidity", "%", 0.0, 100.0),
+    Metric("vibration", "mm/s", 0.0, 100.0),
+    Metric("pressure", "kPa", 0.0, 2000.0),
+    Metric("battery", "%", 0.0, 100.0),
+)
+METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in METRICS)
+
+DEVICE_ID = "device_id"
+SEQ = "seq"
+EVENT_TIME = "event_time"
+REQUIRED_FIELDS: tuple[str, ...] = (DEVICE_ID, SEQ, EVENT_TIME, *METRIC_NAMES)
+
+DEVICE_TYPES: tuple[str, ...] = ("pump", "motor", "chiller", "compressor")
+
+# What the simulator can do to a reading; the ground-truth file uses these names.
+LATE_KINDS = ("on_time", "late", "very_late")
+MALFORMED_KINDS = (
+    "invalid_json",
+    "missing_field",
+    "mistyped_field",
+    "non_finite",
+    "absurd_timestamp",
+    "oversized",
+)
+ANOMALY_TYPES = ("spike", "stuck", "drift", "noise_burst")
+
+# Tables of the lake, addressed by ``Settings.table_path(name)``; streaming queries are named after the
+# table they write, and so are their checkpoints.
+BRONZE = "bronze"
+QUARANTINE = "quarantine"
+DEVICES = "devices"
+
+# The payload as it is read: every field as raw JSON text, typed afterwards so that a mistyped field
+# is reported by name instead of nulling the whole record.
+RAW_PAYLOAD_SCHEMA = StructType([StructField(name, StringType()) for name in REQUIRED_FIELDS])
+
+READING_COLUMNS = StructType(
+    [
+        StructField(DEVICE_ID, StringType()),
+        StructField(SEQ, LongType()),
+        StructField(EVENT_TIME, TimestampType()),
+        *[StructField(name, DoubleType()) for name in METRIC_NAMES],
+    ]
+)
+
+BRONZE_SCHEMA = StructType(
+    [
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("kafka_timestamp", TimestampType()),
+        StructField("key", StringType()),
+        StructField("value", BinaryType()),
+        StructField("ingest_time", TimestampType()),
+        StructField("ingest_date", DateType()),
+        *READING_COLUMNS.fields,
+        StructField("parse_error", StringType()),
+    ]
+)
+
+QUARANTINE_SCHEMA = StructType(
+    [
+        StructField("stage", StringType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("kafka_timestamp", TimestampType()),
+        StructField("key", StringType()),
+        StructField("value", BinaryType()),
+        StructField("reason", StringType()),
+        StructField("ingest_time", TimestampType()),
+    ]
+)
+
+DEVICES_SCHEMA = StructType(
+    [
+        StructField(DEVICE_ID, StringType(), False),
+        StructField("device_type", StringType(), False),
+        StructField("site", StringType(), False),
+        StructField("model", StringType(), False),
+        StructField("install_date", DateType(), False),
+    ]
+)

@@ -1,0 +1,42 @@
+"""The one Spark session builder: Delta and the Kafka connector from cached jars, sizes fit for the machine."""
+
+from __future__ import annotations
+
+import os
+
+from pyspark.sql import SparkSession
+
+from iotmon.config import Settings
+from iotmon.jars import resolve, spark_extras_bundle
+
+
+def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
+    """Get or create the process's Spark session.
+
+    Jars come from the local cache as plain paths (``spark.jars``) rather than ``spark.jars.packages``,
+    so a start needs no network and does not re-resolve. Shuffle partitions are set here because a
+    stateful query fixes them into its checkpoint at first run.
+    """
+    jars = resolve(settings, spark_extras_bundle())
+    if settings.spark_master.startswith("local"):
+        # Keep the driver and its UI on loopback.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = (
+        SparkSession.builder.appName(app_name)
+        .master(settings.spark_master)
+        .config("spark.jars", ",".join(str(jar) for jar in jars))
+        .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+        .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
+        .config("spark.driver.memory", settings.spark_driver_memory)
+        .config("spark.sql.shuffle.partitions", str(settings.shuffle_partitions))
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.warehouse.dir", str((settings.home / "warehouse").absolute()))
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.streaming.metricsEnabled", "true")
+        # Small files are the usual cost of frequent micro-batches on Delta.
+        .config("spark.databricks.delta.optimizeWrite.enabled", "true")
+        .config("spark.databricks.delta.autoCompact.enabled", "true")
+    )
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("WARN")
+    return session

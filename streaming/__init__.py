@@ -1,0 +1,1 @@
+"""Stage 3 of the data's journey: bronze -> clean readings, windowed analytics, device state, anomaly scores."""
