@@ -18,23 +18,20 @@ from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import BRONZE, BRONZE_SCHEMA, QUARANTINE, QUARANTINE_SCHEMA
 
 
-def _create_table(
-    spark: SparkSession, path: str, schema: StructType, partition_by: tuple[str, ...], comment: str
-) -> None:
+def _create_table(spark: SparkSession, path: str, schema: StructType, comment: str) -> None:
+    """Unpartitioned on purpose: at this size Delta's file statistics prune as well as partitions would."""
     builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).comment(comment)
-    if partition_by:
-        builder = builder.partitionedBy(*partition_by)
     builder.property("delta.appendOnly", "true").execute()
 
 
 def ensure_archive_tables(spark: SparkSession, settings: Settings) -> None:
     """Create bronze and quarantine up front, so readers and downstream streams find them from the start."""
     _create_table(
-        spark, settings.table_path(BRONZE), BRONZE_SCHEMA, ("ingest_date",),
+        spark, settings.table_path(BRONZE), BRONZE_SCHEMA,
         "Every Kafka record exactly once, parsed where possible.",
     )
     _create_table(
-        spark, settings.table_path(QUARANTINE), QUARANTINE_SCHEMA, (),
+        spark, settings.table_path(QUARANTINE), QUARANTINE_SCHEMA,
         "Records that failed parsing or validation, with the reason.",
     )
 

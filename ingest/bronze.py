@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import StringType, StructField, StructType
 
 from iotmon.config import Settings
 from iotmon.schema import (
@@ -24,6 +25,9 @@ from iotmon.schema import (
 BRONZE_STAGE = "bronze"
 _CORRUPT = "_corrupt_record"
 _DEVICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+# A fresh StructType: ``StructType.add`` would mutate the shared contract in place.
+_RAW_SCHEMA_WITH_CORRUPT = StructType([*RAW_PAYLOAD_SCHEMA.fields, StructField(_CORRUPT, StringType())])
+_INFINITIES = (float("inf"), float("-inf"))
 _ISO_TIMESTAMP_PATTERN = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})?$"
 
 
@@ -65,18 +69,16 @@ def _errors(value: Column, raw: Column, typed: dict[str, Column], kafka_ts: Colu
         .when(~F.is_valid_utf8(value.cast("string")), F.lit("invalid_utf8"))
         .when(raw.isNull() | raw[_CORRUPT].isNotNull(), F.lit("invalid_json"))
     )
-    field_problems = []
-    for name, column in typed.items():
-        field_problems.append(
-            F.when(raw[name].isNull(), F.lit(f"missing_field:{name}")).when(
-                column.isNull(), F.lit(f"mistyped_field:{name}")
-            )
+    field_problems = [
+        F.when(raw[name].isNull(), F.lit(f"missing_field:{name}")).when(
+            column.isNull(), F.lit(f"mistyped_field:{name}")
         )
-    for name in METRIC_NAMES:
-        column = typed[name]
-        field_problems.append(
-            F.when(F.isnan(column) | F.abs(column).eqNullSafe(float("inf")), F.lit(f"non_finite:{name}"))
-        )
+        for name, column in typed.items()
+    ]
+    field_problems += [
+        F.when(F.isnan(typed[name]) | typed[name].isin(*_INFINITIES), F.lit(f"non_finite:{name}"))
+        for name in METRIC_NAMES
+    ]
     event_time = typed[EVENT_TIME]
     field_problems.append(
         F.when(
@@ -85,10 +87,8 @@ def _errors(value: Column, raw: Column, typed: dict[str, Column], kafka_ts: Colu
             F.lit("absurd_event_time"),
         )
     )
-    problems = F.when(structural.isNotNull(), F.array(structural)).otherwise(
-        F.array_compact(F.array(*field_problems))
-    )
-    return F.when(F.size(problems) > 0, F.array_join(problems, ", "))
+    # concat_ws skips nulls, so only the problems that occurred are listed.
+    return F.coalesce(structural, F.nullif(F.concat_ws(", ", *field_problems), F.lit("")))
 
 
 def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
@@ -100,16 +100,21 @@ def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
     batch that never committed is recomputed as a whole.
     """
     value = F.col("value")
-    raw_schema = RAW_PAYLOAD_SCHEMA.add(_CORRUPT, "string")
+    options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT}
     raw = F.when(
         F.octet_length(value) <= rules.max_payload_bytes,
-        F.from_json(value.cast("string"), raw_schema, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT}),
+        F.from_json(value.cast("string"), _RAW_SCHEMA_WITH_CORRUPT, options),
     )
+    # Each step is its own projection so the JSON parse and the typed casts run once per record.
     with_raw = kafka_records.withColumn("_raw", raw)
-    raw_col = F.col("_raw")
-    typed = _typed_fields(raw_col)
-    error = _errors(value, raw_col, typed, F.col("timestamp"), rules)
-    with_error = with_raw.withColumn("parse_error", error)
+    typed_names = {name: f"_typed_{name}" for name in READING_COLUMNS.fieldNames()}
+    with_typed = with_raw.withColumns(
+        {typed_names[name]: column for name, column in _typed_fields(F.col("_raw")).items()}
+    )
+    typed = {name: F.col(column) for name, column in typed_names.items()}
+    with_error = with_typed.withColumn(
+        "parse_error", _errors(value, F.col("_raw"), typed, F.col("timestamp"), rules)
+    )
     clean = F.col("parse_error").isNull()
     return with_error.select(
         F.col("topic"),
@@ -119,7 +124,6 @@ def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
         F.col("key").cast("string").alias("key"),
         value.alias("value"),
         F.current_timestamp().alias("ingest_time"),
-        F.to_date("timestamp").alias("ingest_date"),
         *[F.when(clean, column).cast(READING_COLUMNS[name].dataType).alias(name) for name, column in typed.items()],
         F.col("parse_error"),
     )

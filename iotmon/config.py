@@ -128,6 +128,17 @@ class Settings:
         values.update(overrides)
         return cls(**values)
 
+    def to_env(self) -> dict[str, str]:
+        """The ``IOTMON_*`` variables that reproduce these settings in a child process."""
+        env = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                env[ENV_PREFIX + f.metadata["env"]] = str(value)
+            elif f.default is not None:  # an optional setting switched off
+                env[ENV_PREFIX + f.metadata["env"]] = "none"
+        return env
+
     @property
     def cache(self) -> Path:
         return (self.cache_dir or self.home / "cache").absolute()

@@ -92,7 +92,6 @@ BRONZE_SCHEMA = StructType(
         StructField("key", StringType()),
         StructField("value", BinaryType()),
         StructField("ingest_time", TimestampType()),
-        StructField("ingest_date", DateType()),
         *READING_COLUMNS.fields,
         StructField("parse_error", StringType()),
     ]

@@ -1,0 +1,100 @@
+"""Session-scoped real infrastructure: one Kafka broker and one Spark session for the whole run.
+
+Each test gets its own topic, lake and checkpoints (``isolated``), so tests share the expensive parts
+without sharing data. Jars are cached in the project's ``var/cache`` and resolved once per machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from iotmon.config import Settings
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _docker_engine_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    home = tmp_path_factory.mktemp("iotmon-home")
+    return Settings.from_env(
+        {},
+        home=home,
+        cache_dir=Path(os.environ.get("IOTMON_CACHE_DIR", PROJECT_ROOT / "var" / "cache")),
+        kafka_bootstrap=f"127.0.0.1:{_free_port()}",
+        kafka_controller_port=_free_port(),
+        kafka_heap="384m",
+        spark_driver_memory="2g",
+        shuffle_partitions=2,
+        trigger_interval="1 seconds",
+    )
+
+
+@pytest.fixture(scope="session")
+def kafka(base_settings: Settings) -> Iterator[Settings]:
+    """A real broker: testcontainers' Kafka where a Docker engine runs, else the embedded KRaft broker."""
+    if os.environ.get("IOTMON_TEST_KAFKA") == "testcontainers" and _docker_engine_available():
+        from testcontainers.kafka import KafkaContainer
+
+        with KafkaContainer() as container:
+            yield dataclasses.replace(base_settings, kafka_bootstrap=container.get_bootstrap_server())
+        return
+    from iotmon import broker
+
+    broker.start(base_settings)
+    try:
+        yield base_settings
+    finally:
+        broker.stop(base_settings)
+
+
+@pytest.fixture(scope="session")
+def spark(base_settings: Settings):
+    from iotmon.spark import spark_session
+
+    session = spark_session(base_settings, "iotmon-tests")
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def isolated(kafka: Settings, tmp_path: Path) -> Settings:
+    """Settings with a topic, lake and checkpoints of this test's own, on the shared broker."""
+    return dataclasses.replace(
+        kafka,
+        topic=f"test-{uuid.uuid4().hex[:10]}",
+        lake=str(tmp_path / "lake"),
+        checkpoints=str(tmp_path / "checkpoints"),
+        home=tmp_path,
+        cache_dir=kafka.cache,
+    )
+
+
+def cli_env(settings: Settings) -> dict[str, str]:
+    """Environment for running ``iotmon`` in a child process with these settings."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("IOTMON_")}
+    env.update(settings.to_env())
+    return env
