@@ -27,11 +27,15 @@ def _create_table(spark: SparkSession, path: str, schema: StructType, comment: s
 def ensure_archive_tables(spark: SparkSession, settings: Settings) -> None:
     """Create bronze and quarantine up front, so readers and downstream streams find them from the start."""
     _create_table(
-        spark, settings.table_path(BRONZE), BRONZE_SCHEMA,
+        spark,
+        settings.table_path(BRONZE),
+        BRONZE_SCHEMA,
         "Every Kafka record exactly once, parsed where possible.",
     )
     _create_table(
-        spark, settings.table_path(QUARANTINE), QUARANTINE_SCHEMA,
+        spark,
+        settings.table_path(QUARANTINE),
+        QUARANTINE_SCHEMA,
         "Records that failed parsing or validation, with the reason.",
     )
 

@@ -112,9 +112,7 @@ def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
         {typed_names[name]: column for name, column in _typed_fields(F.col("_raw")).items()}
     )
     typed = {name: F.col(column) for name, column in typed_names.items()}
-    with_error = with_typed.withColumn(
-        "parse_error", _errors(value, F.col("_raw"), typed, F.col("timestamp"), rules)
-    )
+    with_error = with_typed.withColumn("parse_error", _errors(value, F.col("_raw"), typed, F.col("timestamp"), rules))
     clean = F.col("parse_error").isNull()
     return with_error.select(
         F.col("topic"),
@@ -142,4 +140,3 @@ def quarantine_rows(bronze: DataFrame) -> DataFrame:
         F.col("parse_error").alias("reason"),
         "ingest_time",
     )
-

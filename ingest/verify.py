@@ -89,16 +89,18 @@ class Reconciliation:
 
     def report(self) -> str:
         lines = [f"Reconciliation of topic {self.topic!r} with the lake", ""]
-        lines.append(f"{'partition':>9} {'kafka low':>12} {'kafka high':>12} {'bronze rows':>12} "
-                     f"{'missing':>8} {'dupes':>6}  ok")
+        lines.append(
+            f"{'partition':>9} {'kafka low':>12} {'kafka high':>12} {'bronze rows':>12} {'missing':>8} {'dupes':>6}  ok"
+        )
         for p in self.partitions:
             lines.append(
                 f"{p.partition:>9} {p.kafka_low:>12,} {p.kafka_high:>12,} {p.bronze_rows:>12,} "
                 f"{p.missing:>8,} {p.duplicates:>6,}  {'yes' if p.ok else 'NO'}"
             )
         total = sum(p.bronze_rows for p in self.partitions)
-        lines.append(f"{'total':>9} {'':>12} {sum(p.kafka_high - p.kafka_low for p in self.partitions):>12,} "
-                     f"{total:>12,}")
+        lines.append(
+            f"{'total':>9} {'':>12} {sum(p.kafka_high - p.kafka_low for p in self.partitions):>12,} {total:>12,}"
+        )
         lines.append("")
         lines.append(f"malformed in bronze: {self.bronze_malformed:,}   quarantine rows: {self.quarantine_rows:,}")
         if self.truth:
@@ -196,8 +198,8 @@ def reconcile(spark: SparkSession, settings: Settings, truth_files: Sequence[Pat
         .select("topic", "partition", "offset", "parse_error", DEVICE_ID, SEQ)
         .cache()
     )
-    quarantine = spark.read.format("delta").load(settings.table_path(QUARANTINE)).where(
-        F.col("topic") == settings.topic
+    quarantine = (
+        spark.read.format("delta").load(settings.table_path(QUARANTINE)).where(F.col("topic") == settings.topic)
     )
     keys = ["topic", "partition", "offset"]
     quarantine_rows = quarantine.count()

@@ -209,8 +209,10 @@ def start(settings: Settings, timeout: float = 90.0) -> BrokerStatus:
     if current.running:
         _wait_until_ready(settings, paths, current.pid, timeout)
         return current
-    for name, busy_port in (("IOTMON_KAFKA_BOOTSTRAP", port), ("IOTMON_KAFKA_CONTROLLER_PORT",
-                                                                settings.kafka_controller_port)):
+    for name, busy_port in (
+        ("IOTMON_KAFKA_BOOTSTRAP", port),
+        ("IOTMON_KAFKA_CONTROLLER_PORT", settings.kafka_controller_port),
+    ):
         if _port_open(host, busy_port):
             raise BrokerError(
                 f"Port {busy_port} on {host} is already in use by another process, so the embedded broker "
@@ -221,8 +223,16 @@ def start(settings: Settings, timeout: float = 90.0) -> BrokerStatus:
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.properties.write_text(_server_properties(settings, paths))
     paths.log_config.write_text(_LOG4J2.format(log=paths.log))
-    jvm = [java, f"-Xms{settings.kafka_heap}", f"-Xmx{settings.kafka_heap}", "-XX:+UseG1GC",
-           "-XX:MaxGCPauseMillis=20", f"-Dlog4j2.configurationFile={paths.log_config}", "-cp", classpath]
+    jvm = [
+        java,
+        f"-Xms{settings.kafka_heap}",
+        f"-Xmx{settings.kafka_heap}",
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        f"-Dlog4j2.configurationFile={paths.log_config}",
+        "-cp",
+        classpath,
+    ]
     if not (paths.data / "meta.properties").exists():
         formatted = subprocess.run(
             [*jvm, "kafka.tools.StorageTool", "format", "-t", _cluster_id(), "-c", str(paths.properties)],

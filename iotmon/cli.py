@@ -186,8 +186,17 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     print(broker.start(settings).report(), flush=True)
     truth = settings.home / "truth" / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
     simulator_cmd = [
-        sys.executable, "-m", "iotmon.cli", "simulate", "--devices", str(args.devices), "--rate", str(args.rate),
-        "--truth", str(truth), "--quiet",
+        sys.executable,
+        "-m",
+        "iotmon.cli",
+        "simulate",
+        "--devices",
+        str(args.devices),
+        "--rate",
+        str(args.rate),
+        "--truth",
+        str(truth),
+        "--quiet",
     ]
     if args.duration:
         simulator_cmd += ["--duration", str(args.duration)]
@@ -195,8 +204,9 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     print(f"simulator: {args.devices} devices at {args.rate:g} events/s (pid {simulator.pid}); truth -> {truth}")
     stream_args = argparse.Namespace(until_idle=False)
     if args.duration:
-        timer = threading.Timer(args.duration + interval_seconds(settings.trigger_interval) * 2,
-                                lambda: signal.raise_signal(signal.SIGTERM))
+        timer = threading.Timer(
+            args.duration + interval_seconds(settings.trigger_interval) * 2, lambda: signal.raise_signal(signal.SIGTERM)
+        )
         timer.daemon = True
         timer.start()
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -18,14 +17,9 @@ from pathlib import Path
 import pytest
 
 from iotmon.config import Settings
+from tests.support import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _docker_engine_available() -> bool:
@@ -44,8 +38,8 @@ def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
         {},
         home=home,
         cache_dir=Path(os.environ.get("IOTMON_CACHE_DIR", PROJECT_ROOT / "var" / "cache")),
-        kafka_bootstrap=f"127.0.0.1:{_free_port()}",
-        kafka_controller_port=_free_port(),
+        kafka_bootstrap=f"127.0.0.1:{free_port()}",
+        kafka_controller_port=free_port(),
         kafka_heap="384m",
         spark_driver_memory="2g",
         shuffle_partitions=2,
@@ -91,10 +85,3 @@ def isolated(kafka: Settings, tmp_path: Path) -> Settings:
         home=tmp_path,
         cache_dir=kafka.cache,
     )
-
-
-def cli_env(settings: Settings) -> dict[str, str]:
-    """Environment for running ``iotmon`` in a child process with these settings."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("IOTMON_")}
-    env.update(settings.to_env())
-    return env
