@@ -19,3 +19,24 @@ def cli_env(settings: Settings) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("IOTMON_")}
     env.update(settings.to_env())
     return env
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.02):
+    """Poll ``condition`` until it returns something truthy; fail the test with ``what`` on timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def batch_ids(checkpoint: str, log: str) -> set[int]:
+    """Batch ids in a streaming checkpoint's ``offsets`` (planned) or ``commits`` (finished) log."""
+    from pathlib import Path
+
+    folder = Path(checkpoint) / log
+    return {int(p.name) for p in folder.iterdir() if p.name.isdigit()} if folder.exists() else set()

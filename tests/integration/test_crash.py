@@ -1,0 +1,110 @@
+"""Exactly once under crashes: SIGKILL the streaming process mid-batch, restart the broker mid-run."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from iotmon import broker
+from iotmon.config import Settings
+from iotmon.schema import BRONZE
+from simulators.options import SimulationOptions
+from simulators.publish import run_simulation
+from tests.support import batch_ids, cli_env, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+
+IOTMON = [sys.executable, "-m", "iotmon.cli"]
+
+
+def _stream(settings: Settings, log: Path) -> subprocess.Popen:
+    env = cli_env(settings)
+    return subprocess.Popen([*IOTMON, "stream"], env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def _run(settings: Settings, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*IOTMON, *args], env=cli_env(settings), capture_output=True, text=True, timeout=600)
+
+
+def _batch_in_flight(checkpoint: str, after: int) -> int | None:
+    """A batch whose offsets are logged but which has not committed: the moment to crash."""
+    pending = {b for b in batch_ids(checkpoint, "offsets") - batch_ids(checkpoint, "commits") if b > after}
+    return min(pending) if pending else None
+
+
+def _simulate(settings: Settings, truth: Path, events: int, seed: int) -> None:
+    options = SimulationOptions(devices=30, seed=seed, events=events, truth_path=truth, progress=False)
+    assert run_simulation(settings, options).failed == 0
+
+
+def _reconciles_exactly(settings: Settings, *truth: Path) -> str:
+    assert _run(settings, "stream", "--until-idle").returncode == 0
+    verified = _run(settings, "verify", *[arg for path in truth for arg in ("--truth", str(path))])
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "RESULT: exact" in verified.stdout
+    return verified.stdout
+
+
+def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: Path) -> None:
+    # Small batches, so the archive is still busy when it is killed.
+    settings = dataclasses.replace(isolated, max_offsets_per_trigger=1_500, trigger_interval="1 seconds")
+    first, second = tmp_path / "first.parquet", tmp_path / "second.parquet"
+    _simulate(settings, first, events=15_000, seed=3)
+    checkpoint = settings.checkpoint_path(BRONZE)
+    log = tmp_path / "stream.log"
+
+    last_killed = -1
+    for kill in range(3):
+        process = _stream(settings, log)
+        try:
+            in_flight = wait_for(
+                lambda after=last_killed: _batch_in_flight(checkpoint, after), 180, f"batch in flight (kill {kill})"
+            )
+            process.send_signal(signal.SIGKILL)
+            process.wait(30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        last_killed = in_flight
+        if kill == 1:  # more data arrives while the archive is down
+            _simulate(settings, second, events=5_000, seed=4)
+
+    report = _reconciles_exactly(settings, first, second)
+    assert "20,000" in report  # 15,000 + 5,000 sends, each archived once
+
+
+def test_broker_restart_mid_run(isolated: Settings, tmp_path: Path) -> None:
+    """A broker of this test's own, restarted while the stream runs; the stream rides it out."""
+    own = dataclasses.replace(
+        isolated,
+        home=tmp_path,
+        kafka_bootstrap=f"127.0.0.1:{free_port()}",
+        kafka_controller_port=free_port(),
+        max_offsets_per_trigger=2_000,
+        trigger_interval="1 seconds",
+    )
+    broker.start(own)
+    try:
+        first, second = tmp_path / "first.parquet", tmp_path / "second.parquet"
+        _simulate(own, first, events=8_000, seed=5)
+        checkpoint = own.checkpoint_path(BRONZE)
+        process = _stream(own, tmp_path / "stream.log")
+        try:
+            wait_for(lambda: len(batch_ids(checkpoint, "commits")) >= 2, 180, "two committed batches")
+            broker.stop(own)
+            broker.start(own)
+            _simulate(own, second, events=4_000, seed=6)
+            assert process.poll() is None, "the stream died when the broker restarted"
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(120) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+        _reconciles_exactly(own, first, second)
+    finally:
+        broker.stop(own)
