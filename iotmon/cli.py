@@ -224,19 +224,31 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--devices", type=int, default=100, help="fleet size (default 100)")
-    parser.add_argument("--seed", type=int, default=42, help="random seed: same seed, same fleet and readings")
+    from simulators.options import SimulationOptions as Defaults
+
+    def fraction(flag: str, meaning: str) -> None:
+        default = getattr(Defaults, flag.removeprefix("--").replace("-", "_"))
+        parser.add_argument(flag, type=float, default=default, help=f"{meaning} (default {default:g})")
+
+    parser.add_argument(
+        "--devices", type=int, default=Defaults.devices, help=f"fleet size (default {Defaults.devices})"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=Defaults.seed, help="random seed: same seed, same fleet and readings"
+    )
     parser.add_argument("--events", type=int, help="stop after this many records")
     parser.add_argument("--duration", type=float, help="seconds: simulated time (backlog) or wall time (--rate)")
     parser.add_argument("--rate", type=float, help="real time at this many events/s (event time = wall clock)")
-    parser.add_argument("--interval", type=float, default=1.0, help="backlog: seconds between a device's readings")
+    parser.add_argument(
+        "--interval", type=float, default=Defaults.interval, help="backlog: seconds between a device's readings"
+    )
     parser.add_argument("--start", type=datetime.fromisoformat, help="backlog: first event time (ISO-8601)")
-    parser.add_argument("--late-fraction", type=float, default=0.02, help="late, within the watermark")
-    parser.add_argument("--very-late-fraction", type=float, default=0.005, help="late, far beyond the watermark")
-    parser.add_argument("--duplicate-fraction", type=float, default=0.01, help="the same reading sent twice")
-    parser.add_argument("--malformed-fraction", type=float, default=0.005, help="corrupted payloads")
-    parser.add_argument("--anomaly-fraction", type=float, default=0.01, help="readings inside anomaly episodes")
-    parser.add_argument("--dropout-fraction", type=float, default=0.01, help="device time spent silent")
+    fraction("--late-fraction", "late, within the watermark")
+    fraction("--very-late-fraction", "late, far beyond the watermark")
+    fraction("--duplicate-fraction", "the same reading sent twice")
+    fraction("--malformed-fraction", "corrupted payloads")
+    fraction("--anomaly-fraction", "readings inside anomaly episodes")
+    fraction("--dropout-fraction", "device time spent silent")
     parser.add_argument("--truth", type=Path, help="ground-truth Parquet (default $IOTMON_HOME/truth/run-SEED.parquet)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
 

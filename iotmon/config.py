@@ -67,7 +67,7 @@ def _setting(env: str, default: Any, parse: Callable[[str], Any] = str, doc: str
 class Settings:
     """All knobs of the pipeline; ``Settings.from_env()`` is the only way the CLI builds one."""
 
-    home: Path = _setting("HOME", Path("var"), Path, "Local state: broker data, lake, checkpoints, MLflow.")
+    home: Path = _setting("HOME", Path("var"), Path, "Local state: broker data, lake, checkpoints, ground-truth files.")
     cache_dir: Path | None = _setting(
         "CACHE_DIR", None, Path, "Downloaded jars and the Maven repository (default: $IOTMON_HOME/cache)."
     )
