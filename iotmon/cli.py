@@ -180,44 +180,39 @@ def cmd_reset(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
-    """Broker, a real-time fleet and the archive stream; on exit, drain and reconcile."""
+    """Broker, a real-time fleet and the archive stream; on exit, drain, reconcile, and stop what it started."""
     from iotmon import broker
 
+    broker_was_running = broker.status(settings).running
     print(broker.start(settings).report(), flush=True)
-    truth = settings.home / "truth" / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
-    simulator_cmd = [
-        sys.executable,
-        "-m",
-        "iotmon.cli",
-        "simulate",
-        "--devices",
-        str(args.devices),
-        "--rate",
-        str(args.rate),
-        "--truth",
-        str(truth),
-        "--quiet",
-    ]
-    if args.duration:
-        simulator_cmd += ["--duration", str(args.duration)]
-    simulator = subprocess.Popen(simulator_cmd)
-    print(f"simulator: {args.devices} devices at {args.rate:g} events/s (pid {simulator.pid}); truth -> {truth}")
-    stream_args = argparse.Namespace(until_idle=False)
-    if args.duration:
-        timer = threading.Timer(
-            args.duration + interval_seconds(settings.trigger_interval) * 2, lambda: signal.raise_signal(signal.SIGTERM)
-        )
-        timer.daemon = True
-        timer.start()
     try:
-        cmd_stream(settings, stream_args)
+        truth = settings.home / "truth" / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
+        simulator_cmd = [
+            *(sys.executable, "-m", "iotmon.cli", "simulate", "--quiet", "--truth", str(truth)),
+            *("--devices", str(args.devices), "--rate", str(args.rate)),
+            *(("--duration", str(args.duration)) if args.duration else ()),
+        ]
+        simulator = subprocess.Popen(simulator_cmd)
+        print(f"simulator: {args.devices} devices at {args.rate:g} events/s (pid {simulator.pid}); truth -> {truth}")
+        if args.duration:
+            # Let the last readings reach the lake before the stream is stopped.
+            grace = interval_seconds(settings.trigger_interval) * 2
+            timer = threading.Timer(args.duration + grace, lambda: signal.raise_signal(signal.SIGTERM))
+            timer.daemon = True
+            timer.start()
+        try:
+            cmd_stream(settings, argparse.Namespace(until_idle=False))
+        finally:
+            if simulator.poll() is None:
+                simulator.send_signal(signal.SIGINT)
+            simulator.wait()
+        print("draining what is left in Kafka, then reconciling ...", flush=True)
+        cmd_stream(settings, argparse.Namespace(until_idle=True))
+        return cmd_verify(settings, argparse.Namespace(truth=[truth] if truth.exists() else [], all_truth=False))
     finally:
-        if simulator.poll() is None:
-            simulator.send_signal(signal.SIGINT)
-        simulator.wait()
-    print("draining what is left in Kafka, then reconciling ...", flush=True)
-    cmd_stream(settings, argparse.Namespace(until_idle=True))
-    return cmd_verify(settings, argparse.Namespace(truth=[truth] if truth.exists() else [], all_truth=False))
+        if not broker_was_running:
+            broker.stop(settings)
+            print("stopped the kafka broker the demo started", flush=True)
 
 
 # --- parser ------------------------------------------------------------------------------------------------
