@@ -90,7 +90,17 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace) -> int:
 # --- stream ------------------------------------------------------------------------------------------------
 
 
-def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
+def stop_on_signals() -> threading.Event:
+    """An event that SIGINT and SIGTERM set. Installed before anything starts, so a signal that arrives
+    while Spark is still starting also ends in a clean stop rather than a kill."""
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
+def run_stream(settings: Settings, stop: threading.Event | None) -> None:
+    """Continuously until ``stop`` is set, or (``stop`` is None) until what Kafka holds now is archived."""
     from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
     from iotmon.kafka import ensure_topic
     from iotmon.queries import run_continuously, run_until_idle
@@ -99,12 +109,9 @@ def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
     ensure_topic(settings)
     spark = spark_session(settings, "iotmon-stream")
     ensure_archive_tables(spark, settings)
-    if args.until_idle:
+    if stop is None:
         run_until_idle(spark, settings, ARCHIVE_QUERIES)
-        return 0
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        return
     print(
         f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval}; "
         "Ctrl-C or SIGTERM stops cleanly",
@@ -112,6 +119,10 @@ def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
         flush=True,
     )
     run_continuously(spark, settings, ARCHIVE_QUERIES, stop)
+
+
+def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
+    run_stream(settings, None if args.until_idle else stop_on_signals())
     return 0
 
 
@@ -183,6 +194,7 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     """Broker, a real-time fleet and the archive stream; on exit, drain, reconcile, and stop what it started."""
     from iotmon import broker
 
+    stop = stop_on_signals()
     broker_was_running = broker.status(settings).running
     print(broker.start(settings).report(), flush=True)
     try:
@@ -197,17 +209,17 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         if args.duration:
             # Let the last readings reach the lake before the stream is stopped.
             grace = interval_seconds(settings.trigger_interval) * 2
-            timer = threading.Timer(args.duration + grace, lambda: signal.raise_signal(signal.SIGTERM))
+            timer = threading.Timer(args.duration + grace, stop.set)
             timer.daemon = True
             timer.start()
         try:
-            cmd_stream(settings, argparse.Namespace(until_idle=False))
+            run_stream(settings, stop)
         finally:
             if simulator.poll() is None:
                 simulator.send_signal(signal.SIGINT)
             simulator.wait()
         print("draining what is left in Kafka, then reconciling ...", flush=True)
-        cmd_stream(settings, argparse.Namespace(until_idle=True))
+        run_stream(settings, None)
         return cmd_verify(settings, argparse.Namespace(truth=[truth] if truth.exists() else [], all_truth=False))
     finally:
         if not broker_was_running:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+from pathlib import Path
+from typing import Any
 
 from iotmon.config import Settings
 
@@ -12,6 +15,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def with_own_broker(settings: Settings, home: Path, **overrides: Any) -> Settings:
+    """Settings for a broker of a test's own (fresh ports, state under ``home``), to stop or restart freely."""
+    return dataclasses.replace(
+        settings,
+        home=home,
+        cache_dir=settings.cache,
+        kafka_bootstrap=f"127.0.0.1:{free_port()}",
+        kafka_controller_port=free_port(),
+        **overrides,
+    )
 
 
 def cli_env(settings: Settings) -> dict[str, str]:

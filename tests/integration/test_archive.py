@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -95,7 +94,7 @@ def test_a_second_run_appends_incrementally(isolated: Settings, spark: SparkSess
     _simulate(isolated, first, events=3_000, seed=1)
     ensure_archive_tables(spark, isolated)
     run_until_idle(spark, isolated, ARCHIVE_QUERIES)
-    _simulate(dataclasses.replace(isolated), second, events=4_000, seed=2)
+    _simulate(isolated, second, events=4_000, seed=2)
     assert run_until_idle(spark, isolated, ARCHIVE_QUERIES)[BRONZE] == 4_000
     result = reconcile(spark, isolated, [first, second])
     assert result.problems == [], result.report()

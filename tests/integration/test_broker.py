@@ -11,7 +11,7 @@ import pytest
 from iotmon import broker
 from iotmon.config import Settings
 from iotmon.kafka import ensure_topic, make_producer, partition_offsets
-from tests.support import free_port
+from tests.support import with_own_broker
 
 pytestmark = pytest.mark.integration
 
@@ -41,14 +41,7 @@ def test_remote_bootstrap_is_refused(tmp_path: Path) -> None:
 
 def test_data_survives_a_broker_restart(kafka: Settings, tmp_path: Path) -> None:
     """A second broker of its own, so stopping it does not disturb the shared one."""
-    own = dataclasses.replace(
-        kafka,
-        home=tmp_path,
-        kafka_bootstrap=f"127.0.0.1:{free_port()}",
-        kafka_controller_port=free_port(),
-        topic="restart-check",
-        topic_partitions=2,
-    )
+    own = with_own_broker(kafka, tmp_path, topic="restart-check", topic_partitions=2)
     broker.start(own)
     try:
         assert ensure_topic(own) == 2

@@ -15,7 +15,7 @@ from iotmon.config import Settings
 from iotmon.schema import BRONZE
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
-from tests.support import batch_ids, cli_env, free_port, wait_for
+from tests.support import batch_ids, cli_env, wait_for, with_own_broker
 
 pytestmark = pytest.mark.integration
 
@@ -80,14 +80,7 @@ def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: 
 
 def test_broker_restart_mid_run(isolated: Settings, tmp_path: Path) -> None:
     """A broker of this test's own, restarted while the stream runs; the stream rides it out."""
-    own = dataclasses.replace(
-        isolated,
-        home=tmp_path,
-        kafka_bootstrap=f"127.0.0.1:{free_port()}",
-        kafka_controller_port=free_port(),
-        max_offsets_per_trigger=2_000,
-        trigger_interval="1 seconds",
-    )
+    own = with_own_broker(isolated, tmp_path, max_offsets_per_trigger=2_000, trigger_interval="1 seconds")
     broker.start(own)
     try:
         first, second = tmp_path / "first.parquet", tmp_path / "second.parquet"

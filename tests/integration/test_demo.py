@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -11,19 +10,13 @@ import pytest
 
 from iotmon import broker
 from iotmon.config import Settings
-from tests.support import cli_env, free_port
+from tests.support import cli_env, with_own_broker
 
 pytestmark = pytest.mark.integration
 
 
 def test_demo_runs_reconciles_and_stops_its_broker(base_settings: Settings, tmp_path: Path) -> None:
-    settings = dataclasses.replace(
-        base_settings,
-        home=tmp_path,
-        cache_dir=base_settings.cache,
-        kafka_bootstrap=f"127.0.0.1:{free_port()}",
-        kafka_controller_port=free_port(),
-    )
+    settings = with_own_broker(base_settings, tmp_path)
     demo = subprocess.run(
         [sys.executable, "-m", "iotmon.cli", "demo", "--duration", "12", "--devices", "50", "--rate", "200"],
         env=cli_env(settings),
