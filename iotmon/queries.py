@@ -74,7 +74,11 @@ def progress_line(query: StreamingQuery) -> str:
 
 
 def run_until_idle(
-    spark: SparkSession, settings: Settings, specs: Sequence[QuerySpec], out: TextIO = sys.stderr
+    spark: SparkSession,
+    settings: Settings,
+    specs: Sequence[QuerySpec],
+    out: TextIO = sys.stderr,
+    report_every: float = 10.0,
 ) -> dict[str, int]:
     """Run each query with the available-now trigger, in order, so each sees all its upstream wrote."""
     rows: dict[str, int] = {}
@@ -82,7 +86,8 @@ def run_until_idle(
         started = time.monotonic()
         query = spec.start(spark, settings, AVAILABLE_NOW)
         try:
-            query.awaitTermination()
+            while not query.awaitTermination(report_every):
+                print(progress_line(query), file=out, flush=True)
         except StreamingQueryException as exc:
             raise QueryFailed(f"query {spec.name} failed: {explain(exc)}") from exc
         rows[spec.name] = sum(p["numInputRows"] for p in query.recentProgress)

@@ -1,0 +1,48 @@
+"""Mistakes at the command line get a clear message naming what to fix, never a stack trace."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from iotmon.cli import EXIT_ERROR, main
+
+
+@pytest.fixture(autouse=True)
+def local_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for variable in [v for v in os.environ if v.startswith("IOTMON_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("IOTMON_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_a_bad_setting_names_the_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("IOTMON_TOPIC_PARTITIONS", "lots")
+    assert main(["config"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "IOTMON_TOPIC_PARTITIONS='lots' is not valid" in err
+    assert "Traceback" not in err
+
+
+def test_simulate_needs_a_stopping_rule(capsys: pytest.CaptureFixture) -> None:
+    assert main(["simulate"]) == EXIT_ERROR
+    assert "--events N or --duration SECONDS" in capsys.readouterr().err
+
+
+def test_verify_with_a_missing_truth_file(capsys: pytest.CaptureFixture) -> None:
+    assert main(["verify", "--truth", "nowhere.parquet"]) == EXIT_ERROR
+    assert "ground-truth file not found: nowhere.parquet" in capsys.readouterr().err
+
+
+def test_kafka_status_when_stopped(capsys: pytest.CaptureFixture, local_home: Path) -> None:
+    assert main(["kafka", "status"]) == 3
+    assert "stopped" in capsys.readouterr().out
+
+
+def test_reset_removes_lake_and_checkpoints_together(local_home: Path) -> None:
+    for folder in ("lake/bronze", "checkpoints/bronze", "truth"):
+        (local_home / folder).mkdir(parents=True)
+    assert main(["reset"]) == 0
+    assert not (local_home / "lake").exists() and not (local_home / "checkpoints").exists()
