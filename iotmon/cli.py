@@ -130,11 +130,17 @@ def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
+    from delta.tables import DeltaTable
+
     from ingest.verify import reconcile
+    from iotmon.schema import BRONZE, QUARANTINE
     from iotmon.spark import spark_session
 
     truth = _truth_files(settings, args.truth, args.all_truth)
     spark = spark_session(settings, "iotmon-verify")
+    for table in (BRONZE, QUARANTINE):
+        if not DeltaTable.isDeltaTable(spark, settings.table_path(table)):
+            raise CommandError(f"no {table} table at {settings.table_path(table)}; run `iotmon stream` first")
     result = reconcile(spark, settings, truth)
     print(result.report())
     return 0 if not result.problems else EXIT_MISMATCH

@@ -46,3 +46,11 @@ def test_reset_removes_lake_and_checkpoints_together(local_home: Path) -> None:
         (local_home / folder).mkdir(parents=True)
     assert main(["reset"]) == 0
     assert not (local_home / "lake").exists() and not (local_home / "checkpoints").exists()
+
+
+def test_verify_before_any_stream_says_what_to_run(
+    spark, base_settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("IOTMON_CACHE_DIR", str(base_settings.cache))
+    assert main(["verify"]) == EXIT_ERROR
+    assert "no bronze table at" in capsys.readouterr().err
