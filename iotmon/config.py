@@ -88,6 +88,7 @@ class Settings:
     )
     spark_master: str = _setting("SPARK_MASTER", "local[2]", str, "Spark master URL.")
     spark_driver_memory: str = _setting("SPARK_DRIVER_MEMORY", "3g", str, "Spark driver memory.")
+    spark_ui: bool = _setting("SPARK_UI", True, _parse_bool, "Serve Spark's web UI (on loopback, port 4040 up).")
     shuffle_partitions: int = _setting(
         "SHUFFLE_PARTITIONS", 4, _parse_positive_int, "spark.sql.shuffle.partitions (fixed into checkpoints)."
     )

@@ -34,6 +34,7 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
         .config("spark.databricks.delta.snapshotPartitions", str(settings.shuffle_partitions))
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.warehouse.dir", str((settings.home / "warehouse").absolute()))
+        .config("spark.ui.enabled", str(settings.spark_ui).lower())
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.streaming.metricsEnabled", "true")
         # Not optimizeWrite/autoCompact: measured to cost 3-4x the whole bronze batch here (an extra

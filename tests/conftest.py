@@ -42,6 +42,7 @@ def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
         kafka_controller_port=free_port(),
         kafka_heap="384m",
         spark_driver_memory="2g",
+        spark_ui=False,
         shuffle_partitions=2,
         trigger_interval="1 seconds",
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -23,8 +25,11 @@ IOTMON = [sys.executable, "-m", "iotmon.cli"]
 
 
 def _stream(settings: Settings, log: Path) -> subprocess.Popen:
+    """``iotmon stream`` in a process group of its own: the Python driver and its Spark JVM."""
     env = cli_env(settings)
-    return subprocess.Popen([*IOTMON, "stream"], env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [*IOTMON, "stream"], env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _run(settings: Settings, *args: str) -> subprocess.CompletedProcess:
@@ -58,23 +63,33 @@ def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: 
     checkpoint = settings.checkpoint_path(BRONZE)
     log = tmp_path / "stream.log"
 
+    # Kills 0 and 2 take the whole process tree at once, like a crashed machine. Kill 1 takes only the
+    # Python driver: its orphaned JVM shuts down on its own while the next run is already starting.
     last_killed = -1
+    groups = []
     for kill in range(3):
         process = _stream(settings, log)
+        groups.append(process.pid)
         try:
             in_flight = wait_for(
                 lambda after=last_killed: _batch_in_flight(checkpoint, after), 180, f"batch in flight (kill {kill})"
             )
-            process.send_signal(signal.SIGKILL)
+            if kill == 1:
+                process.send_signal(signal.SIGKILL)
+            else:
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait(30)
         finally:
             if process.poll() is None:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)
         last_killed = in_flight
         if kill == 1:  # more data arrives while the archive is down
             _simulate(settings, second, events=5_000, seed=4)
 
     report = _reconciles_exactly(settings, first, second)
+    for group in groups:  # the orphaned JVM is long gone by now; make sure nothing lingers
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
     assert "20,000" in report  # 15,000 + 5,000 sends, each archived once
 
 
