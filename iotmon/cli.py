@@ -12,8 +12,12 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from iotmon.config import ConfigError, Settings, describe_settings, interval_seconds
+
+if TYPE_CHECKING:
+    from simulators.options import SimulationOptions
 
 EXIT_MISMATCH = 1
 EXIT_ERROR = 2
@@ -55,12 +59,10 @@ def cmd_kafka(settings: Settings, args: argparse.Namespace) -> int:
 # --- simulate ----------------------------------------------------------------------------------------------
 
 
-def _simulation_options(args: argparse.Namespace):  # -> SimulationOptions (import kept lazy for start-up speed)
-    from simulators.publish import SimulationOptions
+def _simulation_options(args: argparse.Namespace) -> SimulationOptions:
+    from simulators.options import SimulationOptions
 
-    if args.rate is None and args.events is None and args.duration is None:
-        raise CommandError("give --events N or --duration SECONDS for a backlog, or --rate EVENTS_PER_S for real time")
-    return SimulationOptions(
+    options = SimulationOptions(
         devices=args.devices,
         seed=args.seed,
         events=args.events,
@@ -77,6 +79,11 @@ def _simulation_options(args: argparse.Namespace):  # -> SimulationOptions (impo
         truth_path=args.truth,
         progress=not args.quiet,
     )
+    try:
+        options.validate()
+    except ValueError as exc:
+        raise CommandError(f"{exc} (see `iotmon simulate --help`)") from None
+    return options
 
 
 def cmd_simulate(settings: Settings, args: argparse.Namespace) -> int:

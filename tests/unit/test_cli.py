@@ -28,7 +28,13 @@ def test_a_bad_setting_names_the_variable(monkeypatch: pytest.MonkeyPatch, capsy
 
 def test_simulate_needs_a_stopping_rule(capsys: pytest.CaptureFixture) -> None:
     assert main(["simulate"]) == EXIT_ERROR
-    assert "--events N or --duration SECONDS" in capsys.readouterr().err
+    assert "backlog mode needs events or duration" in capsys.readouterr().err
+
+
+def test_simulate_rejects_impossible_fractions(capsys: pytest.CaptureFixture) -> None:
+    assert main(["simulate", "--events", "10", "--anomaly-fraction", "1.5"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "anomaly fraction must be in [0, 1)" in err and "Traceback" not in err
 
 
 def test_verify_with_a_missing_truth_file(capsys: pytest.CaptureFixture) -> None:
