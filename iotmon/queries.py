@@ -7,6 +7,7 @@ restarted from its checkpoint replays uncommitted batches into idempotent sinks.
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -46,12 +47,23 @@ _HINTS = {
 }
 
 
+_PYTHON_ERROR_LINE = re.compile(r"^\w[\w.]*(Error|Exception|Exit|Interrupt)\b")
+
+
 def explain(error: BaseException | str) -> str:
-    """The first line of a query error, with a hint when the cause is a known operator mistake."""
+    """The telling line of a query error, with a hint when the cause is a known operator mistake.
+
+    Usually that is the first line; for a Python error raised inside a batch, Spark's first line only says
+    a traceback follows, so the traceback's last ``SomeError: message`` line is used instead.
+    """
     text = str(error)
-    first = text.strip().splitlines()[0] if text.strip() else repr(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    summary = lines[0] if lines else repr(error)
+    if "Traceback (most recent call last)" in text:
+        causes = [line for line in lines if _PYTHON_ERROR_LINE.match(line)]
+        summary = causes[-1] if causes else summary
     hints = [hint for needle, hint in _HINTS.items() if needle in text]
-    return first + ("\n  hint: " + hints[0] if hints else "")
+    return summary + ("\n  hint: " + hints[0] if hints else "")
 
 
 def progress_line(query: StreamingQuery) -> str:

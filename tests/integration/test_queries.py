@@ -1,0 +1,68 @@
+"""The stream supervisor restarts a failed query from its checkpoint, and gives up loudly after too many."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import threading
+from pathlib import Path
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from iotmon.config import Settings
+from iotmon.queries import QueryFailed, QuerySpec, Trigger, run_continuously
+from tests.support import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _flaky_spec(tmp_path: Path, failures: int, batches_seen: list[int]) -> QuerySpec:
+    """A rate-source query whose first ``failures`` batches raise, as a broken sink would."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        batches_seen.append(batch_id)
+        if len(batches_seen) <= failures:
+            raise RuntimeError(f"injected failure in batch {batch_id}")
+
+    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+        return (
+            spark.readStream.format("rate")
+            .option("rowsPerSecond", 10)
+            .load()
+            .writeStream.queryName("flaky")
+            .foreachBatch(write)
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(**trigger)
+            .start()
+        )
+
+    return QuerySpec("flaky", start)
+
+
+def test_a_failed_query_is_restarted_and_resumes(spark: SparkSession, base_settings: Settings, tmp_path: Path):
+    batches: list[int] = []
+    stop = threading.Event()
+    out = io.StringIO()
+    supervisor = threading.Thread(
+        target=run_continuously,
+        args=(spark, base_settings, [_flaky_spec(tmp_path, 1, batches)], stop, out),
+        daemon=True,
+    )
+    supervisor.start()
+    try:
+        wait_for(lambda: len(batches) >= 3, 120, "the query to run again after its failure")
+    finally:
+        stop.set()
+        supervisor.join(60)
+    assert "flaky: query ended (" in out.getvalue() and "injected failure" in out.getvalue()
+    assert batches[1] == batches[0], "the failed batch must be re-run from the checkpoint, same id"
+    assert not supervisor.is_alive()
+    assert not [q for q in spark.streams.active if q.name == "flaky"]
+
+
+def test_too_many_failures_stop_the_supervisor(spark: SparkSession, base_settings: Settings, tmp_path: Path):
+    settings = dataclasses.replace(base_settings, query_restarts=0)
+    with pytest.raises(QueryFailed, match=r"query flaky failed 1 times; last error: .*injected failure"):
+        run_continuously(spark, settings, [_flaky_spec(tmp_path, 99, [])], threading.Event(), io.StringIO())
