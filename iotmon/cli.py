@@ -163,6 +163,47 @@ def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> 
     return files
 
 
+# --- sql -------------------------------------------------------------------------------------------------
+
+
+def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
+    """One statement, or a prompt when none is given; every lake table is a view named after it."""
+    import logging
+
+    from pyspark.errors import PySparkException
+
+    from iotmon.lake import register_tables, run_sql
+    from iotmon.spark import spark_session
+
+    # PySpark logs every failed statement in full (JVM trace as JSON); the one-line error below suffices.
+    logging.getLogger("SQLQueryContextLogger").disabled = True
+    spark = spark_session(settings, "iotmon-sql")
+
+    def show(statement: str) -> bool:
+        try:
+            run_sql(spark, settings, statement).show(args.limit, truncate=False)
+        except PySparkException as exc:
+            print(f"error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+            return False
+        return True
+
+    if args.statement:
+        return 0 if show(args.statement) else EXIT_ERROR
+    tables = ", ".join(register_tables(spark, settings)) or "(none yet)"
+    print(f"tables: {tables}; end a statement with ';', quit with Ctrl-D")
+    buffer: list[str] = []
+    while True:
+        try:
+            line = input("...> " if buffer else "sql> ")
+        except EOFError:
+            print()
+            return 0
+        buffer.append(line)
+        if line.rstrip().endswith(";"):
+            show("\n".join(buffer).rstrip().rstrip(";"))
+            buffer.clear()
+
+
 # --- setup, config, reset ----------------------------------------------------------------------------------
 
 
@@ -294,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify = command("verify", cmd_verify, "reconcile Kafka, the lake and the ground truth; non-zero on mismatch")
     verify.add_argument("--truth", type=Path, action="append", default=[], help="ground-truth file (repeatable)")
     verify.add_argument("--all-truth", action="store_true", help="use every file in $IOTMON_HOME/truth")
+    sql = command("sql", cmd_sql, "Spark SQL over the lake tables (bronze, quarantine, devices, ...)")
+    sql.add_argument("statement", nargs="?", help='e.g. "SELECT parse_error, count(*) FROM bronze GROUP BY 1"')
+    sql.add_argument("--limit", type=int, default=50, help="rows to show (default 50)")
     command("setup", cmd_setup, "download the broker's and Spark's jars now, for offline starts later")
     command("config", cmd_config, "list the IOTMON_* settings with their defaults")
     reset = command("reset", cmd_reset, "delete the lake, checkpoints and truth files (they go together)")

@@ -69,6 +69,7 @@ ANOMALY_TYPES = ("spike", "stuck", "drift", "noise_burst")
 BRONZE = "bronze"
 QUARANTINE = "quarantine"
 DEVICES = "devices"
+LAKE_TABLES: tuple[str, ...] = (BRONZE, QUARANTINE, DEVICES)
 
 # The payload as it is read: every field as raw JSON text, typed afterwards so that a mistyped field
 # is reported by name instead of nulling the whole record.

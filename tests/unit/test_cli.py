@@ -60,3 +60,12 @@ def test_verify_before_any_stream_says_what_to_run(
     monkeypatch.setenv("IOTMON_CACHE_DIR", str(base_settings.cache))
     assert main(["verify"]) == EXIT_ERROR
     assert "no bronze table at" in capsys.readouterr().err
+
+
+def test_a_bad_sql_statement_is_one_clear_line(
+    spark, base_settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("IOTMON_CACHE_DIR", str(base_settings.cache))
+    assert main(["sql", "SELECT no_such_column"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("error: [UNRESOLVED_COLUMN") and len(err.strip().splitlines()) == 1
