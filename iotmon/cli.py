@@ -156,7 +156,7 @@ def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
 def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> list[Path]:
     files = list(given)
     if all_truth:
-        files += sorted((settings.home / "truth").glob("*.parquet"))
+        files += sorted(settings.truth_dir.glob("*.parquet"))
     missing = [path for path in files if not path.exists()]
     if missing:
         raise CommandError(f"ground-truth file not found: {missing[0]}")
@@ -227,7 +227,7 @@ def cmd_reset(settings: Settings, args: argparse.Namespace) -> int:
     """Wipe lake and checkpoints together (and Kafka's data with --kafka): they are only valid together."""
     from iotmon import broker
 
-    targets = [Path(settings.lake_root), Path(settings.checkpoint_root), settings.home / "truth"]
+    targets = [Path(settings.lake_root), Path(settings.checkpoint_root), settings.truth_dir]
     if args.kafka:
         if broker.status(settings).running:
             raise CommandError("stop the broker first (`iotmon kafka stop`), then reset with --kafka")
@@ -252,7 +252,7 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     broker_was_running = broker.status(settings).running
     print(broker.start(settings).report(), flush=True)
     try:
-        truth = settings.home / "truth" / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
+        truth = settings.truth_dir / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
         simulator_cmd = [
             *(sys.executable, "-m", "iotmon.cli", "simulate", "--quiet", "--truth", str(truth)),
             *("--devices", str(args.devices), "--rate", str(args.rate)),

@@ -152,6 +152,11 @@ class Settings:
     def checkpoint_root(self) -> str:
         return self.checkpoints or str((self.home / "checkpoints").absolute())
 
+    @property
+    def truth_dir(self) -> Path:
+        """Where the simulator writes ground-truth files and ``iotmon verify --all-truth`` finds them."""
+        return self.home / "truth"
+
     def table_path(self, table: str) -> str:
         """Location of a Delta table; tables are addressed by path so non-Spark readers find them too."""
         return f"{self.lake_root.rstrip('/')}/{table}"

@@ -87,7 +87,7 @@ class SimulationOptions:
             )
 
     def truth_file(self, settings: Settings) -> Path:
-        return self.truth_path or settings.home / "truth" / f"run-{self.seed}.parquet"
+        return self.truth_path or settings.truth_dir / f"run-{self.seed}.parquet"
 
 
 @dataclass(frozen=True)
