@@ -43,7 +43,9 @@ _HINTS = {
         "The topic holds fewer records than the checkpoint has already read: Kafka's data was reset while "
         "the lake and checkpoints were kept. Wipe both together (`iotmon reset`) or restore the broker's data."
     ),
-    "UnknownTopicOrPartition": "The topic does not exist on the broker; `iotmon simulate` creates it.",
+    "UnknownTopicOrPartition": (
+        "The topic is gone from the broker (deleted while the stream ran?); `iotmon stream` creates it at start."
+    ),
 }
 
 

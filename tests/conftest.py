@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 
 from iotmon.config import Settings
-from tests.support import free_port
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+from tests.support import PROJECT_ROOT, free_port
 
 
 def _docker_engine_available() -> bool:

@@ -10,6 +10,8 @@ from typing import Any
 
 from iotmon.config import Settings
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from iotmon.cli import build_parser
-from tests.conftest import PROJECT_ROOT
+from tests.support import PROJECT_ROOT
 
 COMPOSE = yaml.safe_load((PROJECT_ROOT / "docker-compose.yml").read_text())
 APP_SERVICES = {name: svc for name, svc in COMPOSE["services"].items() if svc.get("image", "").startswith("iotmon")}

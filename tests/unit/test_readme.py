@@ -7,7 +7,7 @@ import re
 from iotmon.cli import build_parser
 from iotmon.config import describe_settings
 from iotmon.schema import BRONZE_SCHEMA, DEVICES_SCHEMA, QUARANTINE_SCHEMA
-from tests.conftest import PROJECT_ROOT
+from tests.support import PROJECT_ROOT
 
 README = (PROJECT_ROOT / "README.md").read_text()
 
