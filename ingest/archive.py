@@ -7,36 +7,31 @@ before running it, and the Delta sink commits each batch id at most once. A batc
 
 from __future__ import annotations
 
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
-from pyspark.sql.types import StructType
 
 from ingest.bronze import PayloadRules, parse_records, quarantine_rows
 from iotmon.config import Settings
+from iotmon.lake import create_table
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import BRONZE, BRONZE_SCHEMA, QUARANTINE, QUARANTINE_SCHEMA
 
 
-def _create_table(spark: SparkSession, path: str, schema: StructType, comment: str) -> None:
-    """Unpartitioned on purpose: at this size Delta's file statistics prune as well as partitions would."""
-    builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).comment(comment)
-    builder.property("delta.appendOnly", "true").execute()
-
-
 def ensure_archive_tables(spark: SparkSession, settings: Settings) -> None:
     """Create bronze and quarantine up front, so readers and downstream streams find them from the start."""
-    _create_table(
+    create_table(
         spark,
         settings.table_path(BRONZE),
         BRONZE_SCHEMA,
         "Every Kafka record exactly once, parsed where possible.",
+        append_only=True,
     )
-    _create_table(
+    create_table(
         spark,
         settings.table_path(QUARANTINE),
         QUARANTINE_SCHEMA,
         "Records that failed parsing or validation, with the reason.",
+        append_only=True,
     )
 
 

@@ -108,6 +108,30 @@ class Settings:
     watermark: str = _setting(
         "WATERMARK", "2 minutes", _parse_interval, "How late a reading may arrive and still update its window."
     )
+    late_after: str = _setting(
+        "LATE_AFTER",
+        "1 second",
+        _parse_interval,
+        "Delay (Kafka time - event time) from which silver marks a reading late.",
+    )
+    window: str = _setting("WINDOW", "1 minute", _parse_interval, "Length of the tumbling windows.")
+    sliding_window: str = _setting("SLIDING_WINDOW", "5 minutes", _parse_interval, "Length of the sliding windows.")
+    slide: str = _setting("SLIDE", "1 minute", _parse_interval, "How often a sliding window starts.")
+    session_gap: str = _setting(
+        "SESSION_GAP", "1 minute", _parse_interval, "Silence (event time) that ends a device's activity session."
+    )
+    offline_after: str = _setting(
+        "OFFLINE_AFTER", "1 minute", _parse_interval, "Silence (event time) after which a device counts as offline."
+    )
+    low_battery: float = _setting(
+        "LOW_BATTERY", 15.0, float, "Battery percentage below which a reporting device counts as degraded."
+    )
+    idle_tick_after: str = _setting(
+        "IDLE_TICK_AFTER",
+        "30 seconds",
+        _parse_interval,
+        "Wall time without readings after which the stream's event-time clock ticks on by itself.",
+    )
     query_restarts: int = _setting(
         "QUERY_RESTARTS", 5, int, "Times `iotmon stream` restarts a failed query before giving up."
     )

@@ -1,12 +1,69 @@
-"""The lake as one SQL catalogue: every table registered under its name, for ad-hoc questions."""
+"""The lake's edges shared by every stage: creating tables, idempotent batch writes, the SQL catalogue.
+
+Exactly-once sinks in ``foreachBatch`` rest on Delta transaction identifiers: a write tagged with
+``(app_id, batch_id)`` is committed at most once per table, so a micro-batch replayed after a crash is
+skipped where it already landed. The app id is taken from the query's checkpoint, so a new checkpoint
+(after ``iotmon reset`` or ``iotmon backfill``) starts a new sequence instead of being skipped forever.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import StructType
 
 from iotmon.config import Settings
 from iotmon.schema import LAKE_TABLES
+
+_TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
+_TXN_VERSION = "spark.databricks.delta.write.txnVersion"
+
+
+def create_table(
+    spark: SparkSession, path: str, schema: StructType, comment: str, *, append_only: bool = False
+) -> None:
+    """Create a Delta table if it is missing. Unpartitioned on purpose: at this size Delta's file
+    statistics prune as well as partitions would, without a small-file problem per partition."""
+    builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).comment(comment)
+    if append_only:
+        builder = builder.property("delta.appendOnly", "true")
+    builder.execute()
+
+
+def checkpoint_app_id(spark: SparkSession, checkpoint: str) -> str:
+    """The transaction app id of the query using ``checkpoint``: its persistent query id.
+
+    Spark writes ``<checkpoint>/metadata`` (``{"id": ...}``) when a query first starts; the id survives
+    restarts and changes only with a new checkpoint, exactly the lifetime of its batch ids.
+    """
+    text = "".join(row.value for row in spark.read.text(f"{checkpoint.rstrip('/')}/metadata").collect())
+    return f"iotmon-{json.loads(text)['id']}"
+
+
+def append_once(frame: DataFrame, path: str, app_id: str, batch_id: int) -> None:
+    """Append ``frame`` unless batch ``batch_id`` of ``app_id`` is already in the table."""
+    writer = frame.write.format("delta").mode("append")
+    writer.option("txnAppId", app_id).option("txnVersion", batch_id).save(path)
+
+
+@contextmanager
+def transaction_id(spark: SparkSession, app_id: str, batch_id: int) -> Iterator[None]:
+    """Tag the next Delta command of ``spark`` (MERGE takes no write options) with ``(app_id, batch_id)``.
+
+    Use it with the micro-batch's own session (``batch.sparkSession``): each streaming query runs in a
+    clone of the session, so concurrent queries never see each other's tags.
+    """
+    spark.conf.set(_TXN_APP_ID, app_id)
+    spark.conf.set(_TXN_VERSION, str(batch_id))
+    try:
+        yield
+    finally:
+        spark.conf.unset(_TXN_APP_ID)
+        spark.conf.unset(_TXN_VERSION)
 
 
 def register_tables(spark: SparkSession, settings: Settings) -> list[str]:

@@ -65,11 +65,41 @@ MALFORMED_KINDS = (
 ANOMALY_TYPES = ("spike", "stuck", "drift", "noise_burst")
 
 # Tables of the lake, addressed by ``Settings.table_path(name)``; streaming queries are named after the
-# table they write, and so are their checkpoints.
+# (first) table they write, and so are their checkpoints.
 BRONZE = "bronze"
 QUARANTINE = "quarantine"
 DEVICES = "devices"
-LAKE_TABLES: tuple[str, ...] = (BRONZE, QUARANTINE, DEVICES)
+SILVER = "silver"
+DEVICE_WINDOWS = "device_windows"
+SITE_WINDOWS = "site_windows"
+DEVICE_SESSIONS = "device_sessions"
+LIVE_WINDOWS = "device_windows_live"
+DEVICE_STATUS = "device_status"
+DEVICE_STATUS_CHANGES = "device_status_changes"
+QUERY_PROGRESS = "query_progress"
+STREAM_CLOCK = "stream_clock"
+LAKE_TABLES: tuple[str, ...] = (
+    BRONZE,
+    QUARANTINE,
+    DEVICES,
+    SILVER,
+    DEVICE_WINDOWS,
+    SITE_WINDOWS,
+    DEVICE_SESSIONS,
+    LIVE_WINDOWS,
+    DEVICE_STATUS,
+    DEVICE_STATUS_CHANGES,
+    QUERY_PROGRESS,
+    STREAM_CLOCK,
+)
+
+# How late a reading reached Kafka (Kafka timestamp minus event time), as silver records it.
+ON_TIME, LATE, TOO_LATE = "on_time", "late", "too_late"
+LATENESS_LEVELS: tuple[str, ...] = (ON_TIME, LATE, TOO_LATE)
+
+# Device health as the status operator tracks it.
+ONLINE, DEGRADED, OFFLINE = "online", "degraded", "offline"
+DEVICE_STATES: tuple[str, ...] = (ONLINE, DEGRADED, OFFLINE)
 
 # The payload as it is read: every field as raw JSON text, typed afterwards so that a mistyped field
 # is reported by name instead of nulling the whole record.
@@ -111,6 +141,26 @@ QUARANTINE_SCHEMA = StructType(
         StructField("ingest_time", TimestampType()),
     ]
 )
+
+REGISTRY_COLUMNS: tuple[str, ...] = ("device_type", "site", "model")
+
+SILVER_SCHEMA = StructType(
+    [
+        *READING_COLUMNS.fields,
+        StructField("device_type", StringType()),
+        StructField("site", StringType()),
+        StructField("model", StringType()),
+        StructField("out_of_range", StringType()),
+        StructField("arrival_delay_s", DoubleType()),
+        StructField("lateness", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("kafka_timestamp", TimestampType()),
+    ]
+)
+"""One row per distinct reading: registry columns joined in, ``out_of_range`` lists metrics outside their
+plausible range (kept: a sensor fault is what monitoring is for), ``partition``/``offset`` point at the first
+copy that reached Kafka."""
 
 DEVICES_SCHEMA = StructType(
     [
