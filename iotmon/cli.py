@@ -112,20 +112,24 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
     from iotmon.kafka import ensure_topic
     from iotmon.queries import run_continuously, run_until_idle
     from iotmon.spark import spark_session
+    from streaming.jobs import ANALYTICS_QUERIES, EventClock, ensure_analytics_tables
 
     ensure_topic(settings)
     spark = spark_session(settings, "iotmon-stream")
     ensure_archive_tables(spark, settings)
+    ensure_analytics_tables(spark, settings)
+    queries = (*ARCHIVE_QUERIES, *ANALYTICS_QUERIES)
     if stop is None:
-        run_until_idle(spark, settings, ARCHIVE_QUERIES)
+        run_until_idle(spark, settings, queries)
         return
+    EventClock(spark, settings, stop).start()
     print(
         f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval}; "
         "Ctrl-C or SIGTERM stops cleanly",
         file=sys.stderr,
         flush=True,
     )
-    run_continuously(spark, settings, ARCHIVE_QUERIES, stop)
+    run_continuously(spark, settings, queries, stop)
 
 
 def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:

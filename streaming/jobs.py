@@ -1,0 +1,326 @@
+"""The analytics stage's edges: the silver and gold streaming queries, their tables and their sinks.
+
+Every sink is exactly once across crashes. A micro-batch that is replayed after a crash recomputes the
+same rows (no wall-clock values, the registry join aside) and each write is tagged with the query's
+transaction id and the batch id, so Delta skips what already landed; silver's insert-only MERGE is
+idempotent on top of that.
+
+Event time only moves with data, so when the whole fleet falls silent the last windows would wait for
+the next reading. ``EventClock`` ticks instead: after ``IOTMON_IDLE_TICK_AFTER`` of wall time without
+readings it appends ticks to the ``stream_clock`` table, advancing event time as fast as wall time from
+the last reading seen. The gold queries read the ticks with the readings, so their watermark, windows
+and offline timers keep moving; ticks are data in a Delta table, so a replayed batch sees the same ones.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from datetime import datetime, timedelta
+from typing import TextIO
+
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.types import StructField, StructType, TimestampType
+
+from iotmon.config import Settings, interval_seconds
+from iotmon.lake import append_once, checkpoint_app_id, create_table, transaction_id
+from iotmon.queries import QuerySpec, Trigger
+from iotmon.schema import (
+    BRONZE,
+    DEVICE_WINDOWS,
+    DEVICES,
+    DEVICES_SCHEMA,
+    EVENT_TIME,
+    LATE,
+    LIVE_WINDOWS,
+    ON_TIME,
+    QUARANTINE,
+    SILVER,
+    SILVER_SCHEMA,
+    STREAM_CLOCK,
+    TOO_LATE,
+)
+from streaming.silver import (
+    READING_KEY,
+    LatenessRules,
+    classify_readings,
+    distinct_readings,
+    rejected_rows,
+    silver_rows,
+)
+from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
+
+CLOCK_SCHEMA = StructType([StructField(EVENT_TIME, TimestampType(), False)])
+FINAL_THROUGH = "iotmon.finalThrough"
+"""Table property of ``device_windows`` set by ``iotmon backfill``: final rows up to this time are already
+written, so a gold query re-deriving its state from the start skips them."""
+LATENESS_METRIC = "lateness"
+"""Name of the observed metric (in each progress of the windows query) counting readings by lateness."""
+_TABLE = "_table"
+
+
+def empty_silver(spark: SparkSession) -> DataFrame:
+    return spark.createDataFrame([], SILVER_SCHEMA)
+
+
+def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
+    """Create silver, gold and the clock up front; gold schemas come from the functions that fill them."""
+    spec = WindowSpec.from_settings(settings)
+    create_table(spark, settings.table_path(DEVICES), DEVICES_SCHEMA, "The device registry (static reference).")
+    create_table(spark, settings.table_path(SILVER), SILVER_SCHEMA, "Distinct valid readings, enriched.")
+    comments = {
+        "device_windows": "Final per-device tumbling and sliding window statistics, each written once.",
+        "site_windows": "Final per-site and device-type tumbling window statistics, each written once.",
+        "device_sessions": "Final per-device activity sessions (gap-based), each written once.",
+    }
+    for table, compute in FINAL_TABLES.items():
+        schema = compute(empty_silver(spark), spec).schema
+        create_table(spark, settings.table_path(table), schema, comments[table], append_only=False)
+    live = tumbling_device_windows(empty_silver(spark), spec).schema
+    create_table(spark, settings.table_path(LIVE_WINDOWS), live, "Per-device tumbling windows, updated in place.")
+    create_table(spark, settings.table_path(STREAM_CLOCK), CLOCK_SCHEMA, "Event-time ticks while input is idle.")
+
+
+def _stream(spark: SparkSession, settings: Settings, table: str) -> DataFrame:
+    return spark.readStream.format("delta").load(settings.table_path(table))
+
+
+def readings_with_clock(spark: SparkSession, settings: Settings) -> DataFrame:
+    """Silver readings plus the clock's ticks (rows with only ``event_time``), watermarked together."""
+    readings = _stream(spark, settings, SILVER)
+    ticks = _stream(spark, settings, STREAM_CLOCK)
+    return readings.unionByName(ticks, allowMissingColumns=True).withWatermark(EVENT_TIME, settings.watermark)
+
+
+class _TransactionId:
+    """The query's Delta transaction app id, read once per query start (the first batch)."""
+
+    def __init__(self, checkpoint: str) -> None:
+        self.checkpoint = checkpoint
+        self.value: str | None = None
+
+    def __call__(self, batch: DataFrame) -> str:
+        if self.value is None:
+            self.value = checkpoint_app_id(batch.sparkSession, self.checkpoint)
+        return self.value
+
+
+# --- silver ---------------------------------------------------------------------------------------------
+
+
+def write_silver_batch(settings: Settings, app_id: _TransactionId):
+    silver_path, quarantine_path = settings.table_path(SILVER), settings.table_path(QUARANTINE)
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        session = batch.sparkSession
+        batch.persist()
+        try:
+            rejects = rejected_rows(batch)
+            if not rejects.isEmpty():
+                append_once(rejects, quarantine_path, app_id(batch), batch_id)
+            readings = distinct_readings(silver_rows(batch)).persist()
+            bounds = readings.agg(F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
+            if bounds is not None and bounds[0] is not None:
+                # The event-time bounds let Delta skip every silver file that cannot hold a duplicate.
+                same_reading = [F.col(f"t.{key}") == F.col(f"s.{key}") for key in READING_KEY]
+                condition = F.col(f"t.{EVENT_TIME}").between(F.lit(bounds[0]), F.lit(bounds[1]))
+                for clause in same_reading:
+                    condition = condition & clause
+                with transaction_id(session, app_id(batch), batch_id):
+                    (
+                        DeltaTable.forPath(session, silver_path)
+                        .alias("t")
+                        .merge(readings.alias("s"), condition)
+                        .whenNotMatchedInsertAll()
+                        .execute()
+                    )
+            readings.unpersist()
+        finally:
+            batch.unpersist()
+
+    return write
+
+
+def start_silver(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    """Bronze stream joined with the static registry (a stream-static join), deduplicated into silver."""
+    checkpoint = settings.checkpoint_path(SILVER)
+    devices = spark.read.format("delta").load(settings.table_path(DEVICES))
+    classified = classify_readings(_stream(spark, settings, BRONZE), devices, LatenessRules.from_settings(settings))
+    return (
+        classified.writeStream.queryName(SILVER)
+        .foreachBatch(write_silver_batch(settings, _TransactionId(checkpoint)))
+        .option("checkpointLocation", checkpoint)
+        .trigger(**trigger)
+        .start()
+    )
+
+
+# --- gold: final windows ----------------------------------------------------------------------------------
+
+
+def final_through(spark: SparkSession, settings: Settings) -> datetime | None:
+    properties = DeltaTable.forPath(spark, settings.table_path(DEVICE_WINDOWS)).detail().first().properties
+    value = properties.get(FINAL_THROUGH)
+    return datetime.fromisoformat(value) if value else None
+
+
+def observe_lateness(readings: DataFrame) -> DataFrame:
+    """Count each batch's readings by lateness into the query's progress (``observedMetrics``)."""
+    lateness = F.col("lateness")
+    return readings.observe(
+        LATENESS_METRIC,
+        F.count(lateness).alias("readings"),
+        F.count(F.when(lateness == ON_TIME, 1)).alias(ON_TIME),
+        F.count(F.when(lateness == LATE, 1)).alias(LATE),
+        F.count(F.when(lateness == TOO_LATE, 1)).alias(TOO_LATE),
+    )
+
+
+def write_final_batch(settings: Settings, app_id: _TransactionId, after: datetime | None):
+    def write(batch: DataFrame, batch_id: int) -> None:
+        batch.persist()
+        try:
+            for table, compute in FINAL_TABLES.items():
+                columns = compute(empty_silver(batch.sparkSession), WindowSpec.from_settings(settings)).columns
+                rows = batch.where(F.col(_TABLE) == table).select(*columns)
+                if after is not None:
+                    rows = rows.where(F.col(END_COLUMN[table]) > F.lit(after))
+                if not rows.isEmpty():
+                    append_once(rows, settings.table_path(table), app_id(batch), batch_id)
+        finally:
+            batch.unpersist()
+
+    return write
+
+
+def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    """All final gold tables from one stateful query: one read of silver, one watermark, one checkpoint.
+
+    Append mode: a window or session is emitted once, in the batch in which the watermark passes its end.
+    """
+    spec = WindowSpec.from_settings(settings)
+    readings = observe_lateness(readings_with_clock(spark, settings))
+    tagged = [compute(readings, spec).withColumn(_TABLE, F.lit(table)) for table, compute in FINAL_TABLES.items()]
+    union = tagged[0]
+    for frame in tagged[1:]:
+        union = union.unionByName(frame, allowMissingColumns=True)
+    checkpoint = settings.checkpoint_path(DEVICE_WINDOWS)
+    return (
+        union.writeStream.queryName(DEVICE_WINDOWS)
+        .outputMode("append")
+        .foreachBatch(write_final_batch(settings, _TransactionId(checkpoint), final_through(spark, settings)))
+        .option("checkpointLocation", checkpoint)
+        .trigger(**trigger)
+        .start()
+    )
+
+
+# --- gold: live windows -----------------------------------------------------------------------------------
+
+
+def write_live_batch(settings: Settings, app_id: _TransactionId):
+    path = settings.table_path(LIVE_WINDOWS)
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        session = batch.sparkSession
+        batch.persist()
+        try:
+            first = batch.agg(F.min("window_start")).first()
+            if first is None or first[0] is None:
+                return
+            condition = (
+                (F.col("t.window_start") >= F.lit(first[0]))
+                & (F.col("t.window_start") == F.col("s.window_start"))
+                & (F.col("t.device_id") == F.col("s.device_id"))
+            )
+            with transaction_id(session, app_id(batch), batch_id):
+                (
+                    DeltaTable.forPath(session, path)
+                    .alias("t")
+                    .merge(batch.alias("s"), condition)
+                    .whenMatchedUpdateAll()
+                    .whenNotMatchedInsertAll()
+                    .execute()
+                )
+        finally:
+            batch.unpersist()
+
+    return write
+
+
+def start_live_windows(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    """Update mode: every batch MERGEs the windows it changed, so late readings correct them in place."""
+    windows = tumbling_device_windows(readings_with_clock(spark, settings), WindowSpec.from_settings(settings))
+    checkpoint = settings.checkpoint_path(LIVE_WINDOWS)
+    return (
+        windows.writeStream.queryName(LIVE_WINDOWS)
+        .outputMode("update")
+        .foreachBatch(write_live_batch(settings, _TransactionId(checkpoint)))
+        .option("checkpointLocation", checkpoint)
+        .trigger(**trigger)
+        .start()
+    )
+
+
+ANALYTICS_QUERIES: tuple[QuerySpec, ...] = (
+    QuerySpec(SILVER, start_silver),
+    QuerySpec(DEVICE_WINDOWS, start_final_windows),
+    QuerySpec(LIVE_WINDOWS, start_live_windows),
+)
+
+
+# --- the event-time clock ---------------------------------------------------------------------------------
+
+
+class EventClock(threading.Thread):
+    """Ticks event time forward while no readings arrive (see the module docstring)."""
+
+    def __init__(self, spark: SparkSession, settings: Settings, stop: threading.Event, out: TextIO = sys.stderr):
+        super().__init__(name="iotmon-event-clock", daemon=True)
+        self.spark, self.settings, self.stop, self.out = spark, settings, stop, out
+        self.idle_after = interval_seconds(settings.idle_tick_after)
+        self.every = interval_seconds(settings.trigger_interval)
+        self.last_batch = -1
+        self.last_event_time: datetime | None = None
+        self.last_reading_at = time.monotonic()
+        self.ticks = 0
+
+    def observe(self, query: StreamingQuery) -> None:
+        """Note the latest event time and when readings last arrived, from the windows query's progress."""
+        for progress in query.recentProgress:
+            if progress["batchId"] <= self.last_batch:
+                continue
+            self.last_batch = progress["batchId"]
+            readings = progress.get("observedMetrics", {}).get(LATENESS_METRIC, {}).get("readings", 0)
+            latest = progress.get("eventTime", {}).get("max")
+            if readings:
+                self.last_reading_at = time.monotonic()
+                if latest:
+                    self.last_event_time = datetime.fromisoformat(latest.replace("Z", "+00:00"))
+
+    def tick_time(self) -> datetime | None:
+        idle = time.monotonic() - self.last_reading_at
+        if self.last_event_time is None or idle < self.idle_after:
+            return None
+        return self.last_event_time + timedelta(seconds=idle)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            query = next((q for q in self.spark.streams.active if q.name == DEVICE_WINDOWS), None)
+            if query is None:
+                continue
+            self.observe(query)
+            tick = self.tick_time()
+            if tick is None:
+                continue
+            try:
+                self.spark.createDataFrame([(tick,)], CLOCK_SCHEMA).write.format("delta").mode("append").save(
+                    self.settings.table_path(STREAM_CLOCK)
+                )
+                self.ticks += 1
+            except Exception as exc:  # a missed tick only delays finalisation; the next one catches up
+                print(f"event clock: tick failed ({exc}); retrying", file=self.out, flush=True)

@@ -1,0 +1,110 @@
+"""Bronze -> silver: typed, validated, enriched and deduplicated readings.
+
+Pure ``DataFrame -> DataFrame`` functions, run on the bronze stream by ``streaming.jobs`` and on a bronze
+snapshot by ``iotmon backfill``, so both produce the same rows.
+
+* **Enrichment** is a join with the device registry: in the stream a stream-static join, re-read at every
+  micro-batch, so a device registered later is recognised from then on. A reading of an unregistered
+  device is rejected to quarantine (``unregistered_device``) rather than guessed at.
+* **Validation** flags metrics outside their plausible range in ``out_of_range`` but keeps the reading:
+  a sensor reporting 180 °C is exactly what monitoring must see, and the anomaly model learns from it.
+* **Lateness** is how long a reading took to reach Kafka (``kafka_timestamp - event_time``): ``on_time`` up
+  to ``IOTMON_LATE_AFTER``, ``late`` up to the watermark, ``too_late`` beyond it. Every late reading stays
+  in silver; only the windowed aggregates leave ``too_late`` ones out, by this flag, so a batch
+  recomputation excludes exactly what the stream excluded.
+* **Deduplication** is exact on ``(device_id, seq, event_time)``: within a batch the first copy to reach
+  Kafka wins, across batches the silver sink inserts only readings it does not hold yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+
+from iotmon.config import Settings, interval_seconds
+from iotmon.schema import (
+    DEVICE_ID,
+    EVENT_TIME,
+    LATE,
+    METRICS,
+    ON_TIME,
+    QUARANTINE_SCHEMA,
+    REGISTRY_COLUMNS,
+    SEQ,
+    SILVER_SCHEMA,
+    TOO_LATE,
+)
+
+SILVER_STAGE = "silver"
+UNREGISTERED_DEVICE = "unregistered_device"
+READING_KEY: tuple[str, ...] = (DEVICE_ID, SEQ, EVENT_TIME)
+"""What makes two rows the same reading. ``seq`` alone would merge readings across a device's counter reset."""
+
+_REJECT = "_reject_reason"
+
+
+@dataclass(frozen=True)
+class LatenessRules:
+    late_after_s: float = 1.0
+    too_late_after_s: float = 120.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LatenessRules:
+        return cls(interval_seconds(settings.late_after), interval_seconds(settings.watermark))
+
+
+def _out_of_range() -> Column:
+    """Comma-separated names of the metrics outside their plausible range; null when all are plausible."""
+    flags = [F.when(~F.col(m.name).between(m.low, m.high), F.lit(m.name)) for m in METRICS]
+    return F.nullif(F.concat_ws(",", *flags), F.lit(""))
+
+
+def _lateness(delay_s: Column, rules: LatenessRules) -> Column:
+    return (
+        F.when(delay_s <= rules.late_after_s, F.lit(ON_TIME))
+        .when(delay_s <= rules.too_late_after_s, F.lit(LATE))
+        .otherwise(F.lit(TOO_LATE))
+    )
+
+
+def classify_readings(bronze: DataFrame, devices: DataFrame, rules: LatenessRules) -> DataFrame:
+    """Parsed bronze rows with registry columns, validation and lateness; ``_reject_reason`` marks rejects.
+
+    Bronze's own malformed rows are not here: the archive already quarantined them.
+    """
+    registry = F.broadcast(devices.select(DEVICE_ID, *REGISTRY_COLUMNS))
+    parsed = bronze.where(F.col("parse_error").isNull())
+    delay_s = (F.unix_micros("kafka_timestamp") - F.unix_micros(EVENT_TIME)) / 1_000_000.0
+    return (
+        parsed.join(registry, DEVICE_ID, "left")
+        .withColumn("out_of_range", _out_of_range())
+        .withColumn("arrival_delay_s", delay_s)
+        .withColumn("lateness", _lateness(F.col("arrival_delay_s"), rules))
+        .withColumn(_REJECT, F.when(F.col("device_type").isNull(), F.lit(UNREGISTERED_DEVICE)))
+    )
+
+
+def silver_rows(classified: DataFrame) -> DataFrame:
+    """Accepted readings as rows of ``SILVER_SCHEMA`` (still with duplicates)."""
+    return classified.where(F.col(_REJECT).isNull()).select(*SILVER_SCHEMA.fieldNames())
+
+
+def rejected_rows(classified: DataFrame) -> DataFrame:
+    """Rejected readings as rows of ``QUARANTINE_SCHEMA``, stage ``silver``."""
+    columns = {"stage": F.lit(SILVER_STAGE), "reason": F.col(_REJECT)}
+    return classified.where(F.col(_REJECT).isNotNull()).select(
+        *[columns.get(name, F.col(name)).alias(name) for name in QUARANTINE_SCHEMA.fieldNames()]
+    )
+
+
+def distinct_readings(readings: DataFrame) -> DataFrame:
+    """One row per reading: the copy that reached Kafka first (a static frame: a batch or a micro-batch)."""
+    first = Window.partitionBy(*READING_KEY).orderBy("kafka_timestamp", "partition", "offset")
+    return readings.withColumn("_copy", F.row_number().over(first)).where(F.col("_copy") == 1).drop("_copy")
+
+
+def silver_from_bronze(bronze: DataFrame, devices: DataFrame, rules: LatenessRules) -> DataFrame:
+    """The whole silver table from a bronze snapshot: what the stream builds batch by batch."""
+    return distinct_readings(silver_rows(classify_readings(bronze, devices, rules)))

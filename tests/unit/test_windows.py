@@ -1,0 +1,118 @@
+"""Gold's window functions on tiny frames, in batch: the same functions the stream runs incrementally."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+
+from iotmon.schema import SILVER_SCHEMA
+from streaming.windows import WindowSpec, device_sessions, device_windows, site_windows, tumbling_device_windows
+
+T0 = dt.datetime(2026, 11, 22, 12, 0, 0)
+SPEC = WindowSpec(window="1 minute", sliding_window="2 minutes", slide="1 minute", session_gap="1 minute")
+
+
+def _silver(spark: SparkSession, rows: list[tuple[str, int, float, str]]) -> DataFrame:
+    """Rows of (device_id, seconds after T0, temperature, lateness); other metrics constant."""
+    site = {"dev-1": "site-a", "dev-2": "site-a", "dev-3": "site-b"}
+    records = [
+        (
+            device,
+            i,
+            T0 + dt.timedelta(seconds=seconds),
+            temperature,
+            50.0,
+            1.0,
+            100.0,
+            80.0,
+            "pump",
+            site[device],
+            "P",
+            None,
+            0.0,
+            lateness,
+            0,
+            i,
+            T0,
+        )
+        for i, (device, seconds, temperature, lateness) in enumerate(rows)
+    ]
+    return spark.createDataFrame(records, SILVER_SCHEMA)
+
+
+def _minute(n: int) -> dt.datetime:
+    return T0 + dt.timedelta(minutes=n)
+
+
+def test_tumbling_windows_aggregate_per_device_and_skip_too_late(spark: SparkSession) -> None:
+    silver = _silver(
+        spark,
+        [
+            ("dev-1", 10, 20.0, "on_time"),
+            ("dev-1", 50, 24.0, "late"),
+            ("dev-1", 55, 99.0, "too_late"),
+            ("dev-1", 70, 30.0, "on_time"),
+            ("dev-2", 5, 10.0, "on_time"),
+        ],
+    )
+    got = [
+        (r.window_start, r.window_end, r.device_id, r.site, r.readings, r.temperature_avg, r.temperature_min,
+         r.temperature_max, None if r.temperature_stddev is None else round(r.temperature_stddev, 6))
+        for r in tumbling_device_windows(silver, SPEC).orderBy("device_id", "window_start").collect()
+    ]  # fmt: skip
+    assert got == [
+        (_minute(0), _minute(1), "dev-1", "site-a", 2, 22.0, 20.0, 24.0, round(2.0**1.5, 6)),
+        (_minute(1), _minute(2), "dev-1", "site-a", 1, 30.0, 30.0, 30.0, None),
+        (_minute(0), _minute(1), "dev-2", "site-a", 1, 10.0, 10.0, 10.0, None),
+    ]
+
+
+def test_device_windows_hold_tumbling_and_sliding_rows(spark: SparkSession) -> None:
+    silver = _silver(spark, [("dev-1", 10, 20.0, "on_time"), ("dev-1", 70, 30.0, "on_time")])
+    got = [
+        (r.window_kind, r.window_start, r.window_end, r.readings, r.temperature_avg)
+        for r in device_windows(silver, SPEC).orderBy("window_kind", "window_start").collect()
+    ]
+    assert got == [
+        ("sliding", _minute(-1), _minute(1), 1, 20.0),
+        ("sliding", _minute(0), _minute(2), 2, 25.0),
+        ("sliding", _minute(1), _minute(3), 1, 30.0),
+        ("tumbling", _minute(0), _minute(1), 1, 20.0),
+        ("tumbling", _minute(1), _minute(2), 1, 30.0),
+    ]
+
+
+def test_site_windows_roll_up_devices(spark: SparkSession) -> None:
+    silver = _silver(
+        spark,
+        [("dev-1", 10, 20.0, "on_time"), ("dev-2", 20, 30.0, "on_time"), ("dev-2", 30, 40.0, "late"),
+         ("dev-3", 40, 50.0, "on_time")],
+    )  # fmt: skip
+    got = [
+        (r.site, r.device_type, r.window_start, r.devices, r.readings, r.temperature_avg)
+        for r in site_windows(silver, SPEC).orderBy("site").collect()
+    ]
+    assert got == [("site-a", "pump", _minute(0), 2, 3, 30.0), ("site-b", "pump", _minute(0), 1, 1, 50.0)]
+
+
+def test_sessions_split_at_gaps_longer_than_the_session_gap(spark: SparkSession) -> None:
+    silver = _silver(
+        spark,
+        [("dev-1", 0, 1.0, "on_time"), ("dev-1", 50, 2.0, "on_time"), ("dev-1", 200, 3.0, "on_time"),
+         ("dev-1", 90, 9.0, "too_late")],
+    )  # fmt: skip
+    got = [
+        (r.session_start, r.session_end, r.readings)
+        for r in device_sessions(silver, SPEC).orderBy("session_start").collect()
+    ]
+    assert got == [
+        (T0, T0 + dt.timedelta(seconds=110), 2),
+        (T0 + dt.timedelta(seconds=200), T0 + dt.timedelta(seconds=260), 1),
+    ]
+
+
+@pytest.mark.parametrize("compute", [tumbling_device_windows, device_windows, site_windows, device_sessions])
+def test_an_empty_input_gives_an_empty_table(spark: SparkSession, compute) -> None:
+    assert compute(spark.createDataFrame([], SILVER_SCHEMA), SPEC).count() == 0
