@@ -16,6 +16,7 @@ from pathlib import Path
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from ingest.bronze import BRONZE_STAGE
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
 from iotmon.schema import BRONZE, DEVICE_ID, QUARANTINE, SEQ
@@ -199,7 +200,9 @@ def reconcile(spark: SparkSession, settings: Settings, truth_files: Sequence[Pat
         .cache()
     )
     quarantine = (
-        spark.read.format("delta").load(settings.table_path(QUARANTINE)).where(F.col("topic") == settings.topic)
+        spark.read.format("delta")
+        .load(settings.table_path(QUARANTINE))
+        .where((F.col("topic") == settings.topic) & (F.col("stage") == BRONZE_STAGE))
     )
     keys = ["topic", "partition", "offset"]
     quarantine_rows = quarantine.count()

@@ -144,8 +144,9 @@ def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
     from delta.tables import DeltaTable
 
     from ingest.verify import reconcile
-    from iotmon.schema import BRONZE, QUARANTINE
+    from iotmon.schema import BRONZE, QUARANTINE, SILVER
     from iotmon.spark import spark_session
+    from streaming.verify import reconcile_analytics
 
     truth = _truth_files(settings, args.truth, args.all_truth)
     spark = spark_session(settings, "iotmon-verify")
@@ -154,7 +155,12 @@ def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
             raise CommandError(f"no {table} table at {settings.table_path(table)}; run `iotmon stream` first")
     result = reconcile(spark, settings, truth)
     print(result.report())
-    return 0 if not result.problems else EXIT_MISMATCH
+    problems = list(result.problems)
+    if DeltaTable.isDeltaTable(spark, settings.table_path(SILVER)):
+        analytics = reconcile_analytics(spark, settings, truth)
+        print(analytics.report())
+        problems += analytics.problems
+    return 0 if not problems else EXIT_MISMATCH
 
 
 def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> list[Path]:

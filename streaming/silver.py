@@ -61,7 +61,7 @@ def _out_of_range() -> Column:
     return F.nullif(F.concat_ws(",", *flags), F.lit(""))
 
 
-def _lateness(delay_s: Column, rules: LatenessRules) -> Column:
+def lateness(delay_s: Column, rules: LatenessRules) -> Column:
     return (
         F.when(delay_s <= rules.late_after_s, F.lit(ON_TIME))
         .when(delay_s <= rules.too_late_after_s, F.lit(LATE))
@@ -81,7 +81,7 @@ def classify_readings(bronze: DataFrame, devices: DataFrame, rules: LatenessRule
         parsed.join(registry, DEVICE_ID, "left")
         .withColumn("out_of_range", _out_of_range())
         .withColumn("arrival_delay_s", delay_s)
-        .withColumn("lateness", _lateness(F.col("arrival_delay_s"), rules))
+        .withColumn("lateness", lateness(F.col("arrival_delay_s"), rules))
         .withColumn(_REJECT, F.when(F.col("device_type").isNull(), F.lit(UNREGISTERED_DEVICE)))
     )
 
