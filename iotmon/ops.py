@@ -25,6 +25,7 @@ import functools
 import json
 import math
 import os
+import socket
 import sys
 import threading
 import uuid
@@ -184,6 +185,19 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux ``/proc``; None elsewhere or if gone).
+
+    Stored next to the pid so that ``iotmon status`` does not take a new process that reused the pid of a
+    killed stream for the stream itself.
+    """
+    try:
+        fields_after_name = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return int(fields_after_name[19])  # field 22 of proc(5); the name (field 2) may contain spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class RunFile:
     """What the stream process is doing now, for ``iotmon status``: one entry per query name."""
 
@@ -191,6 +205,8 @@ class RunFile:
         self.path = path
         self.document: dict[str, Any] = {
             "pid": os.getpid(),
+            "pid_start": process_start_ticks(os.getpid()),
+            "host": socket.gethostname(),
             "started_at": _now(),
             "stopped_at": None,
             "queries": {},

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from iotmon.config import Settings
-from iotmon.ops import SUMMARY_FIELDS, read_run_file, run_file_path
+from iotmon.ops import SUMMARY_FIELDS, process_start_ticks, read_run_file, run_file_path
 from iotmon.schema import LAKE_TABLES, QUERY_PROGRESS
 
 EXIT_NOT_RUNNING = 3
@@ -57,6 +58,10 @@ class Status:
     running: bool
     run_file: str
     pid: int | None = None
+    host: str | None = None
+    checked: bool = True
+    """False when the stream runs on another host (container): its pid cannot be checked from here, so
+    "running" only means the run file was not marked stopped."""
     started_at: str | None = None
     stopped_at: str | None = None
     queries_from: str | None = None
@@ -67,19 +72,22 @@ class Status:
         return asdict(self)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists and is not a zombie (a killed child its parent has not reaped)."""
+def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether process ``pid`` exists, is not a zombie (killed, not yet reaped) and, when ``start_ticks``
+    is known, is the process that wrote the run file rather than a later one that reused its pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return True
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+    if stat.rpartition(")")[2].split()[:1] == ["Z"]:
+        return False
+    return start_ticks is None or process_start_ticks(pid) == start_ticks
 
 
 def _iso_from_millis(millis: int | None) -> str | None:
@@ -192,12 +200,12 @@ def collect(settings: Settings) -> Status:
     document = read_run_file(path)
     status = Status(running=False, run_file=str(path))
     if document is not None:
-        status.pid, status.started_at, status.stopped_at = (
-            document.get("pid"),
-            document.get("started_at"),
-            document.get("stopped_at"),
-        )
-        status.running = status.stopped_at is None and isinstance(status.pid, int) and pid_alive(status.pid)
+        status.pid, status.host = document.get("pid"), document.get("host")
+        status.started_at, status.stopped_at = document.get("started_at"), document.get("stopped_at")
+        status.checked = status.host in (None, socket.gethostname())
+        status.running = status.stopped_at is None and isinstance(status.pid, int)
+        if status.running and status.checked:
+            status.running = pid_alive(status.pid, document.get("pid_start"))
     if status.running and document is not None:
         status.queries_from, status.queries = FROM_RUN_FILE, queries_from_run_file(document)
     else:
@@ -237,7 +245,12 @@ def _when(text: str | None) -> str:
 
 def render(status: Status) -> str:
     lines = []
-    if status.running:
+    if status.running and not status.checked:
+        lines.append(
+            f"stream: running by its run file (pid {status.pid} on host {status.host}, cannot be checked from here; "
+            f"since {_when(status.started_at)})"
+        )
+    elif status.running:
         lines.append(f"stream: running (pid {status.pid}, since {_when(status.started_at)})")
     elif status.pid is None:
         lines.append(f"stream: not running (no run file at {status.run_file})")

@@ -463,3 +463,25 @@ def test_status_of_a_running_stream_comes_from_its_run_file(tmp_path: Path) -> N
     assert f"stream: running (pid {os.getpid()}" in text
     assert "queries (from the run file):" in text and "bronze" in text and "active" in text
     assert "in 800/s  done 2,186/s  took 1.83s" in text
+
+
+def test_a_reused_pid_is_not_the_stream(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    run = RunFile(run_file_path(settings))
+    run.document["pid_start"] = (run.document["pid_start"] or 0) + 1  # same pid, a process started at another time
+    run.write()
+    code, text = _status(settings)
+    assert code == EXIT_NOT_RUNNING and "ended without a clean stop" in text
+
+
+def test_a_stream_on_another_host_is_trusted_to_its_run_file(tmp_path: Path) -> None:
+    """`docker compose run ... status` shares the volume with the stream's container but not its pids."""
+    settings = Settings(home=tmp_path)
+    run = RunFile(run_file_path(settings))
+    run.document.update(host="stream-container", pid=1)
+    run.write()
+    code, text = _status(settings)
+    assert code == 0 and "pid 1 on host stream-container, cannot be checked from here" in text
+    run.stopped()
+    run.write()
+    assert _status(settings)[0] == EXIT_NOT_RUNNING
