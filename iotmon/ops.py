@@ -216,8 +216,8 @@ class RunFile:
         entry = self.document["queries"].setdefault(
             key, {"id": query_id, "run_id": run_id, "active": True, "last_progress": None, "last_exception": None}
         )
-        if entry["run_id"] != run_id:  # restarted: a new run starts clean but keeps the last progress
-            entry.update(id=query_id, run_id=run_id, last_exception=None)
+        # A restarted query keeps its last progress and last exception: "active" with an error says it recovered.
+        entry.update(id=query_id, run_id=run_id)
         entry["active"] = True
         return entry
 

@@ -19,6 +19,7 @@ from iotmon.config import Settings
 from iotmon.kafka import ensure_topic, make_producer
 from iotmon.ops import install_progress_recorder, read_run_file, run_file_path
 from iotmon.schema import QUERY_PROGRESS
+from iotmon.status import table_status
 from tests.support import cli_env, wait_for
 
 pytestmark = pytest.mark.integration
@@ -184,3 +185,13 @@ def test_kafka_lag_is_recorded_until_the_topic_is_drained(
     _use_settings(monkeypatch, isolated)
     code, out = _status(capsys)
     assert code == 3 and "kafka behind 0" in out, out
+
+
+def test_status_counts_rows_deleted_by_deletion_vectors(spark: SparkSession, tmp_path: Path) -> None:
+    """Spark's DELETE on a table with deletion vectors leaves the files and their num_records as they were."""
+    path = str(tmp_path / "devices")
+    spark.range(10).write.format("delta").option("delta.enableDeletionVectors", "true").save(path)
+    spark.sql(f"DELETE FROM delta.`{path}` WHERE id < 3")
+    assert DeltaTable(path).deletion_vectors().read_all().num_rows > 0, "the DELETE wrote a deletion vector"
+    table = table_status("devices", path)
+    assert (table.rows, table.counted_from, table.error) == (7, "file stats", None)
