@@ -267,6 +267,8 @@ class ProgressRecorder(StreamingQueryListener):
     Sees the queries of the session it is installed on (each session has its own listener bus). Flushes
     are idempotent (a Delta transaction id per flush), so a flush that failed after committing is not
     written twice; a failed flush is reported to ``out`` and retried on the next one, never raised.
+    Rows still buffered when the process is SIGKILLed are lost (at most ``flush_every`` seconds of them):
+    fine for telemetry, which is why no data table is ever written this way.
     """
 
     def __init__(
