@@ -214,6 +214,16 @@ def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
             buffer.clear()
 
 
+# --- status ----------------------------------------------------------------------------------------------
+
+
+def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    """No Spark: the stream's run file and the lake's Delta logs answer, in about a second."""
+    from iotmon.status import report
+
+    return report(settings, args.json, sys.stdout)
+
+
 # --- setup, config, reset ----------------------------------------------------------------------------------
 
 
@@ -348,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     sql = command("sql", cmd_sql, "Spark SQL over the lake tables (bronze, quarantine, devices, ...)")
     sql.add_argument("statement", nargs="?", help='e.g. "SELECT parse_error, count(*) FROM bronze GROUP BY 1"')
     sql.add_argument("--limit", type=int, default=50, help="rows to show (default 50)")
+    status = command("status", cmd_status, "is the stream running, its queries' last progress, the lake's tables")
+    status.add_argument("--json", action="store_true", help="the same as JSON, for scripts and dashboards")
     command("setup", cmd_setup, "download the broker's and Spark's jars now, for offline starts later")
     command("config", cmd_config, "list the IOTMON_* settings with their defaults")
     reset = command("reset", cmd_reset, "delete the lake, checkpoints and truth files (they go together)")

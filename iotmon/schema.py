@@ -171,3 +171,28 @@ DEVICES_SCHEMA = StructType(
         StructField("install_date", DateType(), False),
     ]
 )
+
+QUERY_PROGRESS_SCHEMA = StructType(
+    [
+        StructField("query_name", StringType()),
+        StructField("query_id", StringType()),
+        StructField("run_id", StringType()),
+        StructField("batch_id", LongType()),
+        StructField("timestamp", TimestampType()),
+        StructField("input_rows", LongType()),
+        StructField("input_rows_per_second", DoubleType()),
+        StructField("processed_rows_per_second", DoubleType()),
+        StructField("batch_duration_ms", LongType()),
+        StructField("watermark", TimestampType()),
+        StructField("event_time_max", TimestampType()),
+        StructField("state_rows", LongType()),
+        StructField("state_memory_bytes", LongType()),
+        StructField("rows_dropped_by_watermark", LongType()),
+        StructField("kafka_lag", LongType()),
+        StructField("observed_metrics", StringType()),
+        StructField("sink_description", StringType()),
+        StructField("progress_json", StringType()),
+    ]
+)
+"""One row per executed micro-batch of any query (``iotmon.ops``). State and watermark columns are null for
+stateless queries, ``kafka_lag`` for queries without a Kafka source: null means "not applicable", not zero."""

@@ -1,0 +1,301 @@
+"""``iotmon status``: is the stream running, how are its queries doing, and what does the lake hold.
+
+No Spark here, so the answer comes in about a second: the stream process's run file (``iotmon.ops``) says
+what runs now; the ``query_progress`` table, read with delta-rs, says what ran last when nothing runs; and
+each table's row count comes from its Delta log's file statistics rather than from reading its data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, TextIO
+
+from iotmon.config import Settings
+from iotmon.ops import SUMMARY_FIELDS, process_start_ticks, read_run_file, run_file_path
+from iotmon.schema import LAKE_TABLES, QUERY_PROGRESS
+
+EXIT_NOT_RUNNING = 3
+FROM_RUN_FILE = "run file"
+FROM_TABLE = "query_progress table"
+
+# The fallback reads only the progress rows of the last day before the newest one: a query silent for a
+# day longer than every other query is not "the stream's last state" any more, and the table grows forever.
+_FALLBACK_WINDOW = timedelta(days=1)
+
+
+@dataclass
+class QueryStatus:
+    name: str
+    id: str | None = None
+    run_id: str | None = None
+    active: bool = False
+    last_progress: dict[str, Any] | None = None
+    last_exception: str | None = None
+
+
+@dataclass
+class TableStatus:
+    name: str
+    path: str
+    exists: bool = False
+    rows: int | None = None
+    counted_from: str | None = None
+    """"file stats" (the log's num_records, no data read) or "scan" (some files have no statistics)."""
+    version: int | None = None
+    last_commit: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Status:
+    running: bool
+    run_file: str
+    pid: int | None = None
+    host: str | None = None
+    checked: bool = True
+    """False when the stream runs on another host (container): its pid cannot be checked from here, so
+    "running" only means the run file was not marked stopped."""
+    started_at: str | None = None
+    stopped_at: str | None = None
+    queries_from: str | None = None
+    queries: list[QueryStatus] = field(default_factory=list)
+    tables: list[TableStatus] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether process ``pid`` exists, is not a zombie (killed, not yet reaped) and, when ``start_ticks``
+    is known, is the process that wrote the run file rather than a later one that reused its pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    if stat.rpartition(")")[2].split()[:1] == ["Z"]:
+        return False
+    return start_ticks is None or process_start_ticks(pid) == start_ticks
+
+
+def _iso_from_millis(millis: int | None) -> str | None:
+    return None if millis is None else datetime.fromtimestamp(millis / 1000, UTC).isoformat()
+
+
+def _json_ready(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()
+    return value
+
+
+# --- tables ------------------------------------------------------------------------------------------------
+
+
+def _row_count(table: Any) -> tuple[int, str]:
+    """Rows from the add actions' ``num_records`` minus rows deleted by deletion vectors; a scan (of
+    Parquet footers) only when some file has no statistics."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    actions = pa.table(table.get_add_actions(flatten=True))
+    records = actions.column("num_records") if "num_records" in actions.column_names else None
+    if records is not None and records.null_count == 0:
+        rows = int(pc.sum(records).as_py() or 0)
+        if "deletionVectors" in (table.protocol().reader_features or []):
+            vectors = pa.table(table.deletion_vectors()).column("selection_vector")
+            rows -= sum(keep.count(False) for keep in vectors.to_pylist())
+        return rows, "file stats"
+    return table.to_pyarrow_dataset().count_rows(), "scan"
+
+
+def table_status(name: str, path: str) -> TableStatus:
+    from deltalake import DeltaTable
+
+    status = TableStatus(name, path)
+    try:
+        if not DeltaTable.is_deltatable(path):
+            return status
+        status.exists = True
+        table = DeltaTable(path)
+        status.version = table.version()
+        history = table.history(1)
+        status.last_commit = _iso_from_millis(history[0].get("timestamp")) if history else None
+        status.rows, status.counted_from = _row_count(table)
+    except Exception as exc:  # one unreadable table must not hide the others
+        status.error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    return status
+
+
+# --- queries -----------------------------------------------------------------------------------------------
+
+
+def queries_from_run_file(document: Mapping[str, Any]) -> list[QueryStatus]:
+    return [
+        QueryStatus(
+            name=name,
+            id=entry.get("id"),
+            run_id=entry.get("run_id"),
+            active=bool(entry.get("active")),
+            last_progress=entry.get("last_progress"),
+            last_exception=entry.get("last_exception"),
+        )
+        for name, entry in sorted(document.get("queries", {}).items())
+    ]
+
+
+def _order(row: Mapping[str, Any]) -> tuple[datetime, int]:
+    return row["timestamp"], row["batch_id"]
+
+
+def queries_from_table(path: str) -> list[QueryStatus]:
+    """The latest row per query of ``query_progress`` (among the rows of its last day)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+    from deltalake import DeltaTable
+
+    if not DeltaTable.is_deltatable(path):
+        return []
+    table = DeltaTable(path)
+    actions = pa.table(table.get_add_actions(flatten=True))
+    dataset = table.to_pyarrow_dataset()
+    newest = pc.max(actions.column("max.timestamp")).as_py() if "max.timestamp" in actions.column_names else None
+    where = None
+    if newest is not None:
+        where = ds.field("timestamp") >= pa.scalar(newest - _FALLBACK_WINDOW, dataset.schema.field("timestamp").type)
+    rows = dataset.to_table(columns=["query_name", "query_id", "run_id", *SUMMARY_FIELDS], filter=where).to_pylist()
+    latest: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        key = row["query_name"] or row["query_id"]
+        if key not in latest or _order(row) > _order(latest[key]):
+            latest[key] = row
+    return [
+        QueryStatus(
+            name=key,
+            id=row["query_id"],
+            run_id=row["run_id"],
+            last_progress={f: _json_ready(row[f]) for f in SUMMARY_FIELDS},
+        )
+        for key, row in sorted(latest.items())
+    ]
+
+
+# --- the report --------------------------------------------------------------------------------------------
+
+
+def collect(settings: Settings) -> Status:
+    path = run_file_path(settings)
+    document = read_run_file(path)
+    status = Status(running=False, run_file=str(path))
+    if document is not None:
+        status.pid, status.host = document.get("pid"), document.get("host")
+        status.started_at, status.stopped_at = document.get("started_at"), document.get("stopped_at")
+        status.checked = status.host in (None, socket.gethostname())
+        status.running = status.stopped_at is None and isinstance(status.pid, int)
+        if status.running and status.checked:
+            status.running = pid_alive(status.pid, document.get("pid_start"))
+    if status.running and document is not None:
+        status.queries_from, status.queries = FROM_RUN_FILE, queries_from_run_file(document)
+    else:
+        try:
+            status.queries = queries_from_table(settings.table_path(QUERY_PROGRESS))
+        except Exception as exc:  # the table counts below will say more about an unreadable table
+            status.queries = []
+            print(f"iotmon status: could not read {QUERY_PROGRESS}: {exc}", file=sys.stderr, flush=True)
+        status.queries_from = FROM_TABLE if status.queries else None
+        # The table has no exceptions; after a crash the run file still knows the last one of each query.
+        known = {query.name: query for query in queries_from_run_file(document or {})}
+        for query in status.queries:
+            if query.name in known:
+                query.last_exception = known[query.name].last_exception
+        recorded = {query.name for query in status.queries}
+        status.queries += [query for name, query in known.items() if name not in recorded]
+        for query in status.queries:
+            query.active = False
+    status.tables = [table_status(name, settings.table_path(name)) for name in LAKE_TABLES]
+    return status
+
+
+def _number(value: Any, suffix: str = "", digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}{suffix}"
+
+
+def _rate(value: float | None) -> str:
+    """Whole rows per second, but a trickle (a few rows a second) keeps one decimal rather than reading 0/s."""
+    return _number(value, "/s", 1 if value is not None and value < 10 else 0)
+
+
+def _when(text: str | None) -> str:
+    if not text:
+        return "-"
+    return datetime.fromisoformat(text).astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def render(status: Status) -> str:
+    lines = []
+    if status.running and not status.checked:
+        lines.append(
+            f"stream: running by its run file (pid {status.pid} on host {status.host}, cannot be checked from here; "
+            f"since {_when(status.started_at)})"
+        )
+    elif status.running:
+        lines.append(f"stream: running (pid {status.pid}, since {_when(status.started_at)})")
+    elif status.pid is None:
+        lines.append(f"stream: not running (no run file at {status.run_file})")
+    elif status.stopped_at:
+        lines.append(f"stream: not running (pid {status.pid} stopped at {_when(status.stopped_at)})")
+    else:
+        started = _when(status.started_at)
+        lines.append(f"stream: not running (pid {status.pid}, started {started}, ended without a clean stop)")
+    if status.queries:
+        lines.append(f"queries (from the {status.queries_from or FROM_RUN_FILE}):")
+    for query in status.queries:
+        state = "active" if query.active else "stopped"
+        p = query.last_progress
+        if p is None:
+            lines.append(f"  {query.name:<22} {state:<8} no progress yet")
+        else:
+            duration = None if p.get("batch_duration_ms") is None else p["batch_duration_ms"] / 1000
+            lines.append(f"  {query.name:<22} {state:<8} batch {p.get('batch_id')} at {_when(p.get('timestamp'))}")
+            lines.append(
+                f"      in {_rate(p.get('input_rows_per_second'))}  "
+                f"done {_rate(p.get('processed_rows_per_second'))}  took {_number(duration, 's', 2)}  "
+                f"watermark {_when(p.get('watermark'))}  state rows {_number(p.get('state_rows'))}  "
+                f"kafka behind {_number(p.get('kafka_lag'))}"
+            )
+        if query.last_exception:
+            first, *rest = query.last_exception.splitlines()
+            lines.append(f"      last error: {first}")
+            lines.extend(f"      {line}" for line in rest)
+    if not status.queries:
+        lines.append("queries: none recorded yet")
+    lines.append("tables:")
+    for table in status.tables:
+        if table.error:
+            detail = f"unreadable: {table.error}"
+        elif not table.exists:
+            detail = "not created yet"
+        else:
+            rows = _number(table.rows)
+            detail = f"{rows:>12} rows  version {table.version:<6} last commit {_when(table.last_commit)}"
+        lines.append(f"  {table.name:<22} {detail}")
+    return "\n".join(lines)
+
+
+def report(settings: Settings, as_json: bool, out: TextIO) -> int:
+    """Print the status (text or JSON); 0 if the stream runs, 3 if not (like ``iotmon kafka status``)."""
+    status = collect(settings)
+    print(json.dumps(status.to_dict(), indent=2) if as_json else render(status), file=out, flush=True)
+    return 0 if status.running else EXIT_NOT_RUNNING
