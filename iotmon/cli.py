@@ -110,6 +110,7 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
     """Continuously until ``stop`` is set, or (``stop`` is None) until what Kafka holds now is archived."""
     from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
     from iotmon.kafka import ensure_topic
+    from iotmon.ops import install_progress_recorder
     from iotmon.queries import run_continuously, run_until_idle
     from iotmon.spark import spark_session
     from streaming.jobs import ANALYTICS_QUERIES, EventClock, ensure_analytics_tables
@@ -119,17 +120,18 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
     ensure_archive_tables(spark, settings)
     ensure_analytics_tables(spark, settings)
     queries = (*ARCHIVE_QUERIES, *ANALYTICS_QUERIES)
-    if stop is None:
-        run_until_idle(spark, settings, queries)
-        return
-    EventClock(spark, settings, stop).start()
-    print(
-        f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval}; "
-        "Ctrl-C or SIGTERM stops cleanly",
-        file=sys.stderr,
-        flush=True,
-    )
-    run_continuously(spark, settings, queries, stop)
+    with install_progress_recorder(spark, settings):
+        if stop is None:
+            run_until_idle(spark, settings, queries)
+            return
+        EventClock(spark, settings, stop).start()
+        print(
+            f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval}; "
+            "Ctrl-C or SIGTERM stops cleanly",
+            file=sys.stderr,
+            flush=True,
+        )
+        run_continuously(spark, settings, queries, stop)
 
 
 def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
@@ -171,6 +173,26 @@ def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> 
     if missing:
         raise CommandError(f"ground-truth file not found: {missing[0]}")
     return files
+
+
+# --- backfill --------------------------------------------------------------------------------------------
+
+
+def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
+    from iotmon.spark import spark_session
+    from iotmon.status import stream_process
+    from streaming.backfill import backfill
+    from streaming.jobs import ensure_analytics_tables
+
+    running, _ = stream_process(settings)
+    if running.running:
+        raise CommandError(
+            f"the stream is running (pid {running.pid}); stop it first, backfill replaces its checkpoints"
+        )
+    spark = spark_session(settings, "iotmon-backfill")
+    ensure_analytics_tables(spark, settings)
+    print(backfill(spark, settings).report())
+    return 0
 
 
 # --- sql -------------------------------------------------------------------------------------------------
@@ -355,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = command("verify", cmd_verify, "reconcile Kafka, the lake and the ground truth; non-zero on mismatch")
     verify.add_argument("--truth", type=Path, action="append", default=[], help="ground-truth file (repeatable)")
     verify.add_argument("--all-truth", action="store_true", help="use every file in $IOTMON_HOME/truth")
+    command("backfill", cmd_backfill, "rebuild silver and gold from the bronze archive (stop the stream first)")
     sql = command("sql", cmd_sql, "Spark SQL over the lake tables (bronze, quarantine, devices, ...)")
     sql.add_argument("statement", nargs="?", help='e.g. "SELECT parse_error, count(*) FROM bronze GROUP BY 1"')
     sql.add_argument("--limit", type=int, default=50, help="rows to show (default 50)")

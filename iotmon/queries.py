@@ -72,13 +72,9 @@ def progress_line(query: StreamingQuery) -> str:
     progress = query.lastProgress
     if not progress:
         return f"{query.name:<12} starting"
-    lag = 0
-    for source in progress.get("sources", []):
-        end, latest = source.get("endOffset"), source.get("latestOffset")
-        if isinstance(end, dict) and isinstance(latest, dict):
-            for topic, partitions in latest.items():
-                for partition, offset in partitions.items():
-                    lag += max(0, int(offset) - int(end.get(topic, {}).get(partition, offset)))
+    from iotmon.ops import kafka_lag  # ops builds on this module
+
+    lag = kafka_lag(progress.get("sources", [])) or 0
     return (
         f"{query.name:<12} batch {progress['batchId']:>5}  rows {progress['numInputRows']:>9,}  "
         f"in {progress.get('inputRowsPerSecond', 0):>10,.0f}/s  "

@@ -195,7 +195,8 @@ def queries_from_table(path: str) -> list[QueryStatus]:
 # --- the report --------------------------------------------------------------------------------------------
 
 
-def collect(settings: Settings) -> Status:
+def stream_process(settings: Settings) -> tuple[Status, dict[str, Any] | None]:
+    """Whether a stream process is running, from its run file (no table is read); and the run file."""
     path = run_file_path(settings)
     document = read_run_file(path)
     status = Status(running=False, run_file=str(path))
@@ -206,6 +207,11 @@ def collect(settings: Settings) -> Status:
         status.running = status.stopped_at is None and isinstance(status.pid, int)
         if status.running and status.checked:
             status.running = pid_alive(status.pid, document.get("pid_start"))
+    return status, document
+
+
+def collect(settings: Settings) -> Status:
+    status, document = stream_process(settings)
     if status.running and document is not None:
         status.queries_from, status.queries = FROM_RUN_FILE, queries_from_run_file(document)
     else:

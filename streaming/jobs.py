@@ -58,6 +58,9 @@ CLOCK_SCHEMA = StructType([StructField(EVENT_TIME, TimestampType(), False)])
 FINAL_THROUGH = "iotmon.finalThrough"
 """Table property of ``device_windows`` set by ``iotmon backfill``: final rows up to this time are already
 written, so a gold query re-deriving its state from the start skips them."""
+BRONZE_VERSION = "iotmon.bronzeVersion"
+"""Table property of ``silver`` set by ``iotmon backfill``: silver holds bronze up to this version, so a
+silver query starting from a new checkpoint begins right after it."""
 LATENESS_METRIC = "lateness"
 """Name of the observed metric (in each progress of the windows query) counting readings by lateness."""
 _TABLE = "_table"
@@ -149,7 +152,13 @@ def start_silver(spark: SparkSession, settings: Settings, trigger: Trigger) -> S
     """Bronze stream joined with the static registry (a stream-static join), deduplicated into silver."""
     checkpoint = settings.checkpoint_path(SILVER)
     devices = spark.read.format("delta").load(settings.table_path(DEVICES))
-    classified = classify_readings(_stream(spark, settings, BRONZE), devices, LatenessRules.from_settings(settings))
+    bronze = spark.readStream.format("delta")
+    backfilled = _property(spark, settings.table_path(SILVER), BRONZE_VERSION)
+    if backfilled is not None:  # only honoured by a new checkpoint, which is when it applies
+        bronze = bronze.option("startingVersion", int(backfilled) + 1)
+    classified = classify_readings(
+        bronze.load(settings.table_path(BRONZE)), devices, LatenessRules.from_settings(settings)
+    )
     return (
         classified.writeStream.queryName(SILVER)
         .foreachBatch(write_silver_batch(settings, _TransactionId(checkpoint)))
@@ -162,9 +171,12 @@ def start_silver(spark: SparkSession, settings: Settings, trigger: Trigger) -> S
 # --- gold: final windows ----------------------------------------------------------------------------------
 
 
+def _property(spark: SparkSession, path: str, key: str) -> str | None:
+    return DeltaTable.forPath(spark, path).detail().first().properties.get(key)
+
+
 def final_through(spark: SparkSession, settings: Settings) -> datetime | None:
-    properties = DeltaTable.forPath(spark, settings.table_path(DEVICE_WINDOWS)).detail().first().properties
-    value = properties.get(FINAL_THROUGH)
+    value = _property(spark, settings.table_path(DEVICE_WINDOWS), FINAL_THROUGH)
     return datetime.fromisoformat(value) if value else None
 
 
