@@ -9,7 +9,7 @@ Rules, all in event time so that a replayed micro-batch writes exactly what it w
   device changes to offline with ``changed_at = last_seen + offline_after``, never a wall-clock time.
   A reading that arrives at or after that instant in the same micro-batch as the silence (Spark hands a
   batch's rows to the operator before it fires the batch's timers, and a backlog comes in one batch) is
-  preceded by the same offline change, so the result does not depend on how readings were batched.
+  preceded by the same offline change, so readings in order give the same changes however they are batched.
 * The next reading brings an offline device back (online or degraded) with ``changed_at`` = its event time.
 * A device's rows are applied in ``(event_time, seq)`` order and every transition is emitted, so
   online -> degraded -> online within one batch gives two change rows. A device's first reading is a
