@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from pyspark.sql import SparkSession
 
@@ -21,6 +22,9 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
     if settings.spark_master.startswith("local"):
         # Keep the driver and its UI on loopback.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        # Python workers (pandas UDFs, transformWithStateInPandas) default to `python3` on PATH, which
+        # outside an activated venv lacks pandas and pyarrow; run them with this interpreter instead.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = (
         SparkSession.builder.appName(app_name)
         .master(settings.spark_master)

@@ -1,0 +1,488 @@
+"""Per-device status (online / degraded / offline) from the silver readings, with event-time timers.
+
+Rules, all in event time so that a replayed micro-batch writes exactly what it wrote before:
+
+* A device is ``online`` when its latest reading is healthy and ``degraded`` when that reading has a metric
+  out of range (``out_of_range`` not null) or ``battery < IOTMON_LOW_BATTERY``.
+* It is ``offline`` once it has been silent for ``IOTMON_OFFLINE_AFTER``: every reading arms an event-time
+  timer at ``last_seen + offline_after`` (deleting the previous one); when the watermark reaches it, the
+  device changes to offline with ``changed_at = last_seen + offline_after``, never a wall-clock time.
+  A reading that arrives at or after that instant in the same micro-batch as the silence (Spark hands a
+  batch's rows to the operator before it fires the batch's timers, and a backlog comes in one batch) is
+  preceded by the same offline change, so readings in order give the same changes however they are batched.
+* The next reading brings an offline device back (online or degraded) with ``changed_at`` = its event time.
+* A device's rows are applied in ``(event_time, seq)`` order and every transition is emitted, so
+  online -> degraded -> online within one batch gives two change rows. A device's first reading is a
+  change from ``previous_status`` null. Only a change of *status* is a change; a degraded device whose
+  reason changes (battery -> out of range) keeps its ``since`` and gets the new reason in ``device_status``.
+* A reading older than the device's latest one (out of order) changes nothing: it cannot move ``last_seen``
+  backwards nor rewrite a past status. Readings behind the watermark are dropped by Spark before this.
+
+The operator emits *status updates*: each change, plus one snapshot row per device and batch whose last
+reading changed nothing (so ``device_status.last_seen`` stays current). ``version`` counts a device's
+updates and orders them within a batch (two changes can share an event time). Both sinks are written in
+one ``foreachBatch``, exactly once: the changes by a Delta transaction id, the current status by a MERGE
+under the same id. State (one value per device, RocksDB) is kept for every device ever seen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import pandas as pd
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle, StreamingQuery
+from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValues
+from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
+
+from iotmon.config import Settings, interval_seconds
+from iotmon.lake import append_once, checkpoint_app_id, create_table, transaction_id
+from iotmon.queries import QuerySpec, Trigger
+from iotmon.schema import (
+    DEGRADED,
+    DEVICE_ID,
+    DEVICE_STATUS,
+    DEVICE_STATUS_CHANGES,
+    EVENT_TIME,
+    OFFLINE,
+    ONLINE,
+    SEQ,
+    SILVER,
+)
+
+DEVICE_STATUS_CHANGES_SCHEMA = StructType(
+    [
+        StructField(DEVICE_ID, StringType(), False),
+        StructField("status", StringType(), False),
+        StructField("previous_status", StringType()),
+        StructField("changed_at", TimestampType(), False),
+        StructField("reason", StringType(), False),
+        StructField("last_seen", TimestampType(), False),
+        StructField(SEQ, LongType()),
+    ]
+)
+"""One row per status transition; ``changed_at`` is event time, ``seq`` the device's latest reading then."""
+
+DEVICE_STATUS_SCHEMA = StructType(
+    [
+        StructField(DEVICE_ID, StringType(), False),
+        StructField("status", StringType(), False),
+        StructField("since", TimestampType(), False),
+        StructField("last_seen", TimestampType(), False),
+        StructField("reason", StringType(), False),
+        StructField("device_type", StringType()),
+        StructField("site", StringType()),
+    ]
+)
+"""One row per device ever seen: its status now, since when, and its latest reading's event time."""
+
+STATUS_UPDATE_SCHEMA = StructType(
+    [
+        StructField(DEVICE_ID, StringType()),
+        StructField("version", LongType()),
+        StructField("changed", BooleanType()),
+        StructField("status", StringType()),
+        StructField("previous_status", StringType()),
+        StructField("since", TimestampType()),
+        StructField("last_seen", TimestampType()),
+        StructField(SEQ, LongType()),
+        StructField("reason", StringType()),
+        StructField("device_type", StringType()),
+        StructField("site", StringType()),
+    ]
+)
+"""What ``status_updates`` returns: a change (``changed``) or a snapshot of a device after a batch."""
+
+# The operator speaks epoch milliseconds (no timezone conversion between Arrow, pandas and the state store);
+# status_updates turns them into timestamps.
+_OPERATOR_OUTPUT = StructType(
+    [
+        StructField(DEVICE_ID, StringType()),
+        StructField("version", LongType()),
+        StructField("changed", BooleanType()),
+        StructField("status", StringType()),
+        StructField("previous_status", StringType()),
+        StructField("since_ms", LongType()),
+        StructField("last_seen_ms", LongType()),
+        StructField(SEQ, LongType()),
+        StructField("reason", StringType()),
+        StructField("device_type", StringType()),
+        StructField("site", StringType()),
+    ]
+)
+
+_STATE_SCHEMA = StructType(
+    [
+        StructField("status", StringType()),
+        StructField("since_ms", LongType()),
+        StructField("last_seen_ms", LongType()),
+        StructField(SEQ, LongType()),
+        StructField("reason", StringType()),
+        StructField("device_type", StringType()),
+        StructField("site", StringType()),
+        StructField("version", LongType()),
+        StructField("timer_ms", LongType()),
+    ]
+)
+
+_INPUT_COLUMNS = (DEVICE_ID, EVENT_TIME, "event_ms", SEQ, "battery", "out_of_range", "device_type", "site")
+
+
+# -- The rules, plain Python ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusRules:
+    offline_after_ms: int
+    low_battery: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> StatusRules:
+        return cls(round(interval_seconds(settings.offline_after) * 1000), settings.low_battery)
+
+
+@dataclass(frozen=True)
+class Reading:
+    event_ms: int
+    seq: int | None
+    battery: float | None
+    out_of_range: str | None
+    device_type: str | None = None
+    site: str | None = None
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    status: str
+    since_ms: int
+    last_seen_ms: int
+    seq: int | None
+    reason: str
+    device_type: str | None
+    site: str | None
+    version: int
+    """How many updates of this device have been emitted; the last one carries this number."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One output row: the device's state after an event, and whether its status changed there."""
+
+    state: DeviceState
+    changed: bool
+    previous_status: str | None
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def assess(reading: Reading, rules: StatusRules) -> tuple[str, str]:
+    """Status and reason a reading alone implies; both degradations are named when both apply."""
+    problems = []
+    if reading.out_of_range:
+        names = [name.strip() for name in reading.out_of_range.split(",") if name.strip()]
+        problems.append("out of range: " + ", ".join(names))
+    if reading.battery is not None and not math.isnan(reading.battery) and reading.battery < rules.low_battery:
+        problems.append(f"battery {reading.battery:.1f}% < {_number(rules.low_battery)}%")
+    if problems:
+        return DEGRADED, "; ".join(problems)
+    return ONLINE, "reporting"
+
+
+def silence_reason(silent_ms: int) -> str:
+    return f"silent for {_number(silent_ms / 1000)}s"
+
+
+def go_offline(state: DeviceState, at_ms: int) -> Update:
+    """The offline change of a device silent since ``state.last_seen_ms``, dated ``at_ms`` (its deadline)."""
+    offline = replace(
+        state,
+        status=OFFLINE,
+        since_ms=at_ms,
+        reason=silence_reason(at_ms - state.last_seen_ms),
+        version=state.version + 1,
+    )
+    return Update(offline, True, state.status)
+
+
+def is_stale(state: DeviceState | None, reading: Reading) -> bool:
+    """Not newer than the device's latest reading: it must not move ``last_seen`` back nor rewrite history."""
+    return state is not None and _order(reading) <= (state.last_seen_ms, state.seq if state.seq is not None else -1)
+
+
+def advance(state: DeviceState | None, readings: Iterable[Reading], rules: StatusRules) -> list[Update]:
+    """Apply one batch of a device's readings; return the updates to emit, the last one being the new state.
+
+    Every status change is an update; if readings after the last change moved ``last_seen`` on, a final
+    snapshot (``changed=False``) carries them. An empty list means the state is unchanged.
+    """
+    updates: list[Update] = []
+    pending = False  # the state moved on since the last update
+    for reading in sorted(readings, key=_order):
+        if is_stale(state, reading):
+            continue
+        if state is not None and state.status != OFFLINE:
+            deadline = state.last_seen_ms + rules.offline_after_ms
+            if reading.event_ms >= deadline:
+                updates.append(go_offline(state, deadline))
+                state = updates[-1].state
+        status, reason = assess(reading, rules)
+        previous = state.status if state is not None else None
+        changed = previous != status
+        state = DeviceState(
+            status=status,
+            since_ms=reading.event_ms if changed or state is None else state.since_ms,
+            last_seen_ms=reading.event_ms,
+            seq=reading.seq,
+            reason=reason,
+            device_type=reading.device_type if reading.device_type is not None else _kept(state, "device_type"),
+            site=reading.site if reading.site is not None else _kept(state, "site"),
+            version=(state.version if state is not None else 0) + (1 if changed else 0),
+        )
+        pending = not changed
+        if changed:
+            updates.append(Update(state, True, previous))
+    if pending and state is not None:
+        updates.append(Update(replace(state, version=state.version + 1), False, None))
+    return updates
+
+
+def _order(reading: Reading) -> tuple[int, int]:
+    return reading.event_ms, reading.seq if reading.seq is not None else -1
+
+
+def _kept(state: DeviceState | None, attribute: str) -> str | None:
+    return getattr(state, attribute) if state is not None else None
+
+
+# -- The operator ---------------------------------------------------------------------------------------
+
+
+def _state_of(stored: tuple | None) -> tuple[DeviceState | None, int | None]:
+    if stored is None:
+        return None, None
+    *fields, timer_ms = stored
+    return DeviceState(*fields), timer_ms
+
+
+def _stored(state: DeviceState, timer_ms: int | None) -> tuple:
+    return (
+        state.status,
+        state.since_ms,
+        state.last_seen_ms,
+        state.seq,
+        state.reason,
+        state.device_type,
+        state.site,
+        state.version,
+        timer_ms,
+    )
+
+
+def _frame(device_id: str, updates: list[Update]) -> pd.DataFrame:
+    rows = [
+        {
+            DEVICE_ID: device_id,
+            "version": u.state.version,
+            "changed": u.changed,
+            "status": u.state.status,
+            "previous_status": u.previous_status,
+            "since_ms": u.state.since_ms,
+            "last_seen_ms": u.state.last_seen_ms,
+            SEQ: u.state.seq,
+            "reason": u.state.reason,
+            "device_type": u.state.device_type,
+            "site": u.state.site,
+        }
+        for u in updates
+    ]
+    # object dtype keeps a null seq null instead of turning the column into floats
+    return pd.DataFrame(rows, columns=_OPERATOR_OUTPUT.fieldNames()).astype({SEQ: "object"})
+
+
+def _optional(value: object) -> object:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def _readings(frames: Iterator[pd.DataFrame]) -> list[Reading]:
+    readings = []
+    for frame in frames:
+        for row in frame.itertuples(index=False):
+            seq = _optional(row.seq)
+            battery = _optional(row.battery)
+            readings.append(
+                Reading(
+                    event_ms=int(row.event_ms),
+                    seq=int(seq) if seq is not None else None,
+                    battery=float(battery) if battery is not None else None,
+                    out_of_range=_optional(row.out_of_range),
+                    device_type=_optional(row.device_type),
+                    site=_optional(row.site),
+                )
+            )
+    return readings
+
+
+class DeviceStatusProcessor(StatefulProcessor):
+    """Keeps one ``DeviceState`` per device plus its one armed offline timer (``timer_ms``).
+
+    Spark calls ``handleExpiredTimer`` with keyword arguments, so its parameter names are part of the API.
+    """
+
+    def __init__(self, rules: StatusRules) -> None:
+        self._rules = rules
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self._handle = handle
+        self._device = handle.getValueState("device", _STATE_SCHEMA)
+
+    def handleInputRows(
+        self, key: tuple[str], rows: Iterator[pd.DataFrame], timerValues: TimerValues
+    ) -> Iterator[pd.DataFrame]:
+        state, timer_ms = _state_of(self._device.get())
+        updates = advance(state, _readings(rows), self._rules)
+        if not updates:
+            return
+        state = updates[-1].state
+        # A reading always leaves the device reporting, so exactly one timer is armed: at its new deadline.
+        deadline = state.last_seen_ms + self._rules.offline_after_ms
+        if timer_ms != deadline:
+            if timer_ms is not None:
+                self._handle.deleteTimer(timer_ms)
+            self._handle.registerTimer(deadline)
+        self._device.update(_stored(state, deadline))
+        yield _frame(key[0], updates)
+
+    def handleExpiredTimer(
+        self, key: tuple[str], timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+    ) -> Iterator[pd.DataFrame]:
+        state, timer_ms = _state_of(self._device.get())
+        expiry = expiredTimerInfo.getExpiryTimeInMs()
+        if state is None or state.status == OFFLINE or timer_ms != expiry:
+            return  # a timer this state no longer armed; Spark deletes it after this call
+        update = go_offline(state, expiry)
+        self._device.update(_stored(update.state, None))
+        yield _frame(key[0], [update])
+
+    def close(self) -> None:
+        pass
+
+
+def status_updates(readings: DataFrame, settings: Settings) -> DataFrame:
+    """Silver-shaped readings -> status updates (``STATUS_UPDATE_SCHEMA``); pure, no I/O.
+
+    Works on a streaming frame (state and timers across batches) and on a static one (one pass, no timers
+    fire, for tests). Spark creates the state store coordinator only with the streaming query manager, so a
+    static frame touches ``spark.streams`` first or its state store fails to load.
+    """
+    if not readings.isStreaming:
+        _ = readings.sparkSession.streams
+    rules = StatusRules.from_settings(settings)
+    operator_input = (
+        readings.withWatermark(EVENT_TIME, settings.watermark)
+        .withColumn("event_ms", F.unix_millis(EVENT_TIME))
+        .select(*_INPUT_COLUMNS)
+    )
+    updates = operator_input.groupBy(DEVICE_ID).transformWithStateInPandas(
+        statefulProcessor=DeviceStatusProcessor(rules),
+        outputStructType=_OPERATOR_OUTPUT,
+        outputMode="Update",
+        timeMode="EventTime",
+    )
+    return updates.select(
+        *[
+            F.timestamp_millis(f"{f.name}_ms").alias(f.name) if f.name in ("since", "last_seen") else F.col(f.name)
+            for f in STATUS_UPDATE_SCHEMA.fields
+        ]
+    )
+
+
+def changes_of(updates: DataFrame) -> DataFrame:
+    """The status transitions among ``updates``, shaped as ``DEVICE_STATUS_CHANGES_SCHEMA``."""
+    return updates.where(F.col("changed")).select(
+        DEVICE_ID, "status", "previous_status", F.col("since").alias("changed_at"), "reason", "last_seen", SEQ
+    )
+
+
+def latest_status(updates: DataFrame) -> DataFrame:
+    """Each device's last update among ``updates``, shaped as ``DEVICE_STATUS_SCHEMA``."""
+    newest_first = Window.partitionBy(DEVICE_ID).orderBy(F.col("version").desc())
+    return (
+        updates.withColumn("_rank", F.row_number().over(newest_first))
+        .where(F.col("_rank") == 1)
+        .select(*DEVICE_STATUS_SCHEMA.fieldNames())
+    )
+
+
+# -- The query ------------------------------------------------------------------------------------------
+
+
+def ensure_device_status_tables(spark: SparkSession, settings: Settings) -> None:
+    """Create both tables up front, so readers find them before the first status change."""
+    create_table(
+        spark,
+        settings.table_path(DEVICE_STATUS_CHANGES),
+        DEVICE_STATUS_CHANGES_SCHEMA,
+        "Every device status transition (online/degraded/offline), dated in event time.",
+        append_only=True,
+    )
+    create_table(
+        spark,
+        settings.table_path(DEVICE_STATUS),
+        DEVICE_STATUS_SCHEMA,
+        "Each device's current status, since when, and when it last reported (event time).",
+    )
+
+
+def status_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
+    """The ``foreachBatch`` function: both sinks, each skipping a batch id it already holds."""
+    checkpoint = settings.checkpoint_path(DEVICE_STATUS)
+    changes_path = settings.table_path(DEVICE_STATUS_CHANGES)
+    status_path = settings.table_path(DEVICE_STATUS)
+    app_id: str | None = None
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        nonlocal app_id
+        if app_id is None:  # the checkpoint's metadata exists only once the query has started
+            app_id = checkpoint_app_id(batch.sparkSession, checkpoint)
+        batch.persist()
+        try:
+            if batch.isEmpty():
+                return
+            append_once(changes_of(batch), changes_path, app_id, batch_id)
+            # The MERGE must run in the batch's own session: that is where transaction_id tags it.
+            status_table = DeltaTable.forPath(batch.sparkSession, status_path)
+            with transaction_id(batch.sparkSession, app_id, batch_id):
+                (
+                    status_table.alias("current")
+                    .merge(latest_status(batch).alias("latest"), f"current.{DEVICE_ID} = latest.{DEVICE_ID}")
+                    .whenMatchedUpdateAll()
+                    .whenNotMatchedInsertAll()
+                    .execute()
+                )
+        finally:
+            batch.unpersist()
+
+    return write
+
+
+def start_device_status(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    ensure_device_status_tables(spark, settings)
+    readings = spark.readStream.format("delta").load(settings.table_path(SILVER))
+    return (
+        status_updates(readings, settings)
+        .writeStream.queryName(DEVICE_STATUS)
+        .outputMode("update")
+        .option("checkpointLocation", settings.checkpoint_path(DEVICE_STATUS))
+        .foreachBatch(status_batch_writer(settings))
+        .trigger(**trigger)
+        .start()
+    )
+
+
+DEVICE_STATUS_QUERY = QuerySpec(DEVICE_STATUS, start_device_status)
