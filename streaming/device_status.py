@@ -51,8 +51,8 @@ from iotmon.schema import (
     OFFLINE,
     ONLINE,
     SEQ,
-    SILVER,
 )
+from streaming.sources import readings_and_ticks
 
 DEVICE_STATUS_CHANGES_SCHEMA = StructType(
     [
@@ -385,6 +385,7 @@ def status_updates(readings: DataFrame, settings: Settings) -> DataFrame:
     rules = StatusRules.from_settings(settings)
     operator_input = (
         readings.withWatermark(EVENT_TIME, settings.watermark)
+        .where(F.col(DEVICE_ID).isNotNull())  # the event-time clock's ticks only move the watermark
         .withColumn("event_ms", F.unix_millis(EVENT_TIME))
         .select(*_INPUT_COLUMNS)
     )
@@ -473,9 +474,8 @@ def status_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
 
 def start_device_status(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
     ensure_device_status_tables(spark, settings)
-    readings = spark.readStream.format("delta").load(settings.table_path(SILVER))
     return (
-        status_updates(readings, settings)
+        status_updates(readings_and_ticks(spark, settings), settings)
         .writeStream.queryName(DEVICE_STATUS)
         .outputMode("update")
         .option("checkpointLocation", settings.checkpoint_path(DEVICE_STATUS))

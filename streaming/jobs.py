@@ -24,7 +24,6 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
-from pyspark.sql.types import StructField, StructType, TimestampType
 
 from iotmon.config import Settings, interval_seconds
 from iotmon.lake import append_once, checkpoint_app_id, create_table, transaction_id
@@ -44,6 +43,7 @@ from iotmon.schema import (
     STREAM_CLOCK,
     TOO_LATE,
 )
+from streaming.device_status import DEVICE_STATUS_QUERY, ensure_device_status_tables
 from streaming.silver import (
     READING_KEY,
     LatenessRules,
@@ -52,9 +52,9 @@ from streaming.silver import (
     rejected_rows,
     silver_rows,
 )
+from streaming.sources import CLOCK_SCHEMA, readings_and_ticks
 from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
 
-CLOCK_SCHEMA = StructType([StructField(EVENT_TIME, TimestampType(), False)])
 FINAL_THROUGH = "iotmon.finalThrough"
 """Table property of ``device_windows`` set by ``iotmon backfill``: final rows up to this time are already
 written, so a gold query re-deriving its state from the start skips them."""
@@ -86,17 +86,12 @@ def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
     live = tumbling_device_windows(empty_silver(spark), spec).schema
     create_table(spark, settings.table_path(LIVE_WINDOWS), live, "Per-device tumbling windows, updated in place.")
     create_table(spark, settings.table_path(STREAM_CLOCK), CLOCK_SCHEMA, "Event-time ticks while input is idle.")
-
-
-def _stream(spark: SparkSession, settings: Settings, table: str) -> DataFrame:
-    return spark.readStream.format("delta").load(settings.table_path(table))
+    ensure_device_status_tables(spark, settings)
 
 
 def readings_with_clock(spark: SparkSession, settings: Settings) -> DataFrame:
-    """Silver readings plus the clock's ticks (rows with only ``event_time``), watermarked together."""
-    readings = _stream(spark, settings, SILVER)
-    ticks = _stream(spark, settings, STREAM_CLOCK)
-    return readings.unionByName(ticks, allowMissingColumns=True).withWatermark(EVENT_TIME, settings.watermark)
+    """Silver readings and the clock's ticks, watermarked together (the window functions skip the ticks)."""
+    return readings_and_ticks(spark, settings).withWatermark(EVENT_TIME, settings.watermark)
 
 
 class _TransactionId:
@@ -282,6 +277,7 @@ ANALYTICS_QUERIES: tuple[QuerySpec, ...] = (
     QuerySpec(SILVER, start_silver),
     QuerySpec(DEVICE_WINDOWS, start_final_windows),
     QuerySpec(LIVE_WINDOWS, start_live_windows),
+    DEVICE_STATUS_QUERY,
 )
 
 

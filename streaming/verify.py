@@ -122,6 +122,8 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     expected_silver = silver_from_bronze(bronze, devices, LatenessRules.from_settings(settings))
     columns = [*READING_KEY, "partition", "offset", "lateness", "out_of_range", "device_type", "site"]
     count, problems = compare_tables(expected_silver.select(columns), silver.select(columns), READING_KEY, SILVER)
+    if problems:
+        problems.append("silver: if the device registry or the silver logic changed since, run `iotmon backfill`")
     check.rows_checked[SILVER] = count
     check.problems += problems
     if truth:
@@ -156,7 +158,7 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
 def _silver_against_truth(spark: SparkSession, silver: DataFrame, truth: list[Path], rules: LatenessRules) -> list[str]:
     """Every valid delivered reading is in silver once, at its first copy's offset, late by the simulator's
     own send delay; nothing else is in silver."""
-    columns = ["device_id", "seq", "delay_s", "malformed_kind", "partition", "offset", "delivered"]
+    columns = [*READING_KEY, "delay_s", "malformed_kind", "partition", "offset", "delivered"]
     frames = [spark.createDataFrame(pq.read_table(path, columns=columns).to_pandas()) for path in truth]
     sends = frames[0]
     for frame in frames[1:]:
@@ -164,16 +166,15 @@ def _silver_against_truth(spark: SparkSession, silver: DataFrame, truth: list[Pa
     valid = sends.where("delivered AND malformed_kind IS NULL")
     first_copy = F.min_by(F.struct("partition", "offset", "delay_s"), F.struct("partition", "offset")).alias("f")
     expected = (
-        valid.groupBy("device_id", "seq")
+        valid.groupBy(*READING_KEY)
         .agg(first_copy)
         .select(
-            "device_id",
-            "seq",
+            *READING_KEY,
             F.col("f.partition").cast("int").alias("partition"),
             F.col("f.offset").alias("offset"),
             lateness(F.col("f.delay_s"), rules).alias("lateness"),
         )
     )
-    actual = silver.select("device_id", "seq", "partition", "offset", "lateness")
-    _, problems = compare_tables(expected, actual, ("device_id", "seq"), "silver vs ground truth")
+    actual = silver.select(*READING_KEY, "partition", "offset", "lateness")
+    _, problems = compare_tables(expected, actual, READING_KEY, "silver vs ground truth")
     return problems

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -11,9 +12,9 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
-from iotmon.config import Settings
+from iotmon.config import Settings, interval_seconds
 from iotmon.queries import run_until_idle
-from iotmon.schema import DEVICE_WINDOWS, LIVE_WINDOWS, SILVER, TOO_LATE
+from iotmon.schema import DEVICE_STATUS_CHANGES, DEVICE_WINDOWS, LIVE_WINDOWS, SILVER, TOO_LATE
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from streaming.backfill import backfill
@@ -27,8 +28,16 @@ pytestmark = pytest.mark.integration
 START = dt.datetime(2026, 11, 20, 8, 0, 0, tzinfo=dt.UTC)
 
 
-def _simulate(settings: Settings, truth: Path, start: dt.datetime, seed: int, duration: float = 600) -> None:
+def _simulate(
+    settings: Settings,
+    truth: Path,
+    start: dt.datetime,
+    seed: int,
+    duration: float = 600,
+    dropout_fraction: float = 0.01,
+) -> None:
     options = SimulationOptions(
+        dropout_fraction=dropout_fraction,
         devices=100,
         seed=seed,
         duration=duration,
@@ -85,13 +94,43 @@ def test_silver_and_gold_equal_a_batch_recomputation_and_the_truth(isolated: Set
     assert late.join(live, (late.device_id == live.device_id) & (late.w == live.window_start)).count() == late.count()
 
 
+def test_dropouts_take_devices_offline_and_back(isolated: Settings, spark: SparkSession):
+    truth = isolated.home / "truth-1.parquet"
+    _simulate(isolated, truth, START, seed=41, duration=900, dropout_fraction=0.05)
+    _drain(spark, isolated)
+    watermark = reconcile_analytics(spark, isolated).watermark
+    offline_after = dt.timedelta(seconds=interval_seconds(isolated.offline_after))
+    episodes = [
+        (e["device_id"], dt.datetime.fromisoformat(e["start"]), dt.datetime.fromisoformat(e["end"]))
+        for e in json.loads(truth.with_name(truth.name + ".summary.json").read_text())["dropouts"]
+    ]
+    # Silences wholly inside the run, which the watermark has passed far enough to see the return.
+    checked = [
+        (device, start, end)
+        for device, start, end in episodes
+        if start > START and end.replace(tzinfo=None) + offline_after < watermark
+    ]
+    assert checked, episodes
+    changes = spark.read.format("delta").load(isolated.table_path(DEVICE_STATUS_CHANGES))
+    silver = spark.read.format("delta").load(isolated.table_path(SILVER))
+    for device, start, end in checked:
+        start, end = start.replace(tzinfo=None), end.replace(tzinfo=None)
+        mine = changes.where(F.col("device_id") == device)
+        offline = mine.where((F.col("status") == "offline") & F.col("changed_at").between(start, end)).collect()
+        assert len(offline) == 1, (device, start, end, mine.orderBy("changed_at").collect())
+        assert start < offline[0].changed_at <= start + offline_after
+        back = silver.where((F.col("device_id") == device) & (F.col("event_time") >= end)).agg(F.min("event_time"))
+        returned = mine.where((F.col("previous_status") == "offline") & (F.col("changed_at") == back.first()[0]))
+        assert returned.count() == 1, (device, back.first()[0], mine.orderBy("changed_at").collect())
+
+
 def test_a_second_run_extends_every_table_exactly(isolated: Settings, spark: SparkSession):
     first, second = isolated.home / "truth-1.parquet", isolated.home / "truth-2.parquet"
     _simulate(isolated, first, START, seed=21, duration=300)
     _drain(spark, isolated)
     watermark_after_first = reconcile_analytics(spark, isolated, [first]).watermark
 
-    _simulate(isolated, second, START + dt.timedelta(seconds=300), seed=22, duration=300)
+    _simulate(isolated, second, START + dt.timedelta(seconds=300), seed=21, duration=300)
     _drain(spark, isolated)
     check = reconcile_analytics(spark, isolated, [first, second])
     assert check.problems == [], check.report()
@@ -119,7 +158,7 @@ def test_backfill_rebuilds_what_the_stream_produced_and_the_stream_resumes(isola
 
     # The stream resumes on the rebuilt tables: new data flows in, nothing is written twice.
     later = isolated.home / "truth-2.parquet"
-    _simulate(isolated, later, START + dt.timedelta(seconds=300), seed=32, duration=120)
+    _simulate(isolated, later, START + dt.timedelta(seconds=300), seed=31, duration=120)
     _drain(spark, isolated)
     check = reconcile_analytics(spark, isolated, [truth, later])
     assert check.problems == [], check.report()

@@ -14,7 +14,7 @@ import pytest
 
 from iotmon import broker
 from iotmon.config import Settings
-from iotmon.schema import BRONZE
+from iotmon.schema import BRONZE, DEVICE_STATUS, DEVICE_WINDOWS, LIVE_WINDOWS, SILVER
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from tests.support import batch_ids, cli_env, wait_for, with_own_broker
@@ -43,7 +43,7 @@ def _batch_in_flight(checkpoint: str, after: int) -> int | None:
 
 
 def _simulate(settings: Settings, truth: Path, events: int, seed: int) -> None:
-    options = SimulationOptions(devices=30, seed=seed, events=events, truth_path=truth, progress=False)
+    options = SimulationOptions(devices=100, seed=seed, events=events, truth_path=truth, progress=False)
     assert run_simulation(settings, options).failed == 0
 
 
@@ -56,23 +56,26 @@ def _reconciles_exactly(settings: Settings, *truth: Path) -> str:
 
 
 def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: Path) -> None:
-    # Small batches, so the archive is still busy when it is killed.
+    # Small batches, so every query is still busy when it is killed.
     settings = dataclasses.replace(isolated, max_offsets_per_trigger=1_500, trigger_interval="1 seconds")
     first, second = tmp_path / "first.parquet", tmp_path / "second.parquet"
     _simulate(settings, first, events=15_000, seed=3)
-    checkpoint = settings.checkpoint_path(BRONZE)
     log = tmp_path / "stream.log"
 
-    # Kills 0 and 2 take the whole process tree at once, like a crashed machine. Kill 1 takes only the
-    # Python driver: its orphaned JVM shuts down on its own while the next run is already starting.
-    last_killed = -1
+    # Each kill lands while a batch of a different query is in flight, archive to device status. Kill 1
+    # takes only the Python driver: its orphaned JVM shuts down on its own while the next run is already
+    # starting. The others take the whole process tree at once, like a crashed machine.
+    last_killed: dict[str, int] = {}
     groups = []
-    for kill in range(3):
+    for kill, query in enumerate((BRONZE, SILVER, DEVICE_WINDOWS, LIVE_WINDOWS, DEVICE_STATUS)):
+        checkpoint, after = settings.checkpoint_path(query), last_killed.get(query, -1)
         process = _stream(settings, log)
         groups.append(process.pid)
         try:
             in_flight = wait_for(
-                lambda after=last_killed: _batch_in_flight(checkpoint, after), 180, f"batch in flight (kill {kill})"
+                lambda cp=checkpoint, after=after: _batch_in_flight(cp, after),
+                240,
+                f"{query} batch in flight",
             )
             if kill == 1:
                 process.send_signal(signal.SIGKILL)
@@ -82,8 +85,8 @@ def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: 
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
-        last_killed = in_flight
-        if kill == 1:  # more data arrives while the archive is down
+        last_killed[query] = in_flight
+        if kill == 1:  # more data arrives while the stream is down
             _simulate(settings, second, events=5_000, seed=4)
 
     report = _reconciles_exactly(settings, first, second)
@@ -91,6 +94,7 @@ def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
     assert "20,000" in report  # 15,000 + 5,000 sends, each archived once
+    assert "analytics    OK" in report  # silver and gold equal their batch recomputation, nothing twice
 
 
 def test_broker_restart_mid_run(isolated: Settings, tmp_path: Path) -> None:
