@@ -31,7 +31,6 @@ def ensure_archive_tables(spark: SparkSession, settings: Settings) -> None:
         settings.table_path(QUARANTINE),
         QUARANTINE_SCHEMA,
         "Records that failed parsing or validation, with the reason.",
-        append_only=True,
     )
 
 

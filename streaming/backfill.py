@@ -102,7 +102,6 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
     result.rows[SILVER] = _replace(distinct_readings(silver_rows(classified)), table(SILVER))
     _set_property(spark, table(SILVER), BRONZE_VERSION, str(bronze_version))
     # Silver's rejects are re-derived too (the registry may have changed); bronze's own stay as they are.
-    _set_property(spark, table(QUARANTINE), "delta.appendOnly", "false")
     (
         rejected_rows(classified)
         .write.format("delta")

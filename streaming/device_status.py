@@ -430,7 +430,6 @@ def ensure_device_status_tables(spark: SparkSession, settings: Settings) -> None
         settings.table_path(DEVICE_STATUS_CHANGES),
         DEVICE_STATUS_CHANGES_SCHEMA,
         "Every device status transition (online/degraded/offline), dated in event time.",
-        append_only=True,
     )
     create_table(
         spark,
