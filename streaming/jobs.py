@@ -27,7 +27,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings, interval_seconds
 from iotmon.lake import append_once, checkpoint_app_id, create_table, transaction_id
-from iotmon.queries import QuerySpec, Trigger
+from iotmon.queries import QuerySpec, Trigger, explain
 from iotmon.schema import (
     BRONZE,
     DEVICE_WINDOWS,
@@ -303,7 +303,8 @@ class EventClock(threading.Thread):
             if progress["batchId"] <= self.last_batch:
                 continue
             self.last_batch = progress["batchId"]
-            readings = progress.get("observedMetrics", {}).get(LATENESS_METRIC, {}).get("readings", 0)
+            counts = progress.get("observedMetrics", {}).get(LATENESS_METRIC)  # a Row (or dict)
+            readings = counts["readings"] if counts is not None else 0
             latest = progress.get("eventTime", {}).get("max")
             if readings:
                 self.last_reading_at = time.monotonic()
@@ -316,19 +317,20 @@ class EventClock(threading.Thread):
             return None
         return self.last_event_time + timedelta(seconds=idle)
 
+    def tick_if_idle(self) -> None:
+        query = next((q for q in self.spark.streams.active if q.name == DEVICE_WINDOWS), None)
+        if query is None:
+            return
+        self.observe(query)
+        tick = self.tick_time()
+        if tick is not None:
+            clock = self.spark.createDataFrame([(tick,)], CLOCK_SCHEMA)
+            clock.write.format("delta").mode("append").save(self.settings.table_path(STREAM_CLOCK))
+            self.ticks += 1
+
     def run(self) -> None:
         while not self.stop.wait(self.every):
-            query = next((q for q in self.spark.streams.active if q.name == DEVICE_WINDOWS), None)
-            if query is None:
-                continue
-            self.observe(query)
-            tick = self.tick_time()
-            if tick is None:
-                continue
             try:
-                self.spark.createDataFrame([(tick,)], CLOCK_SCHEMA).write.format("delta").mode("append").save(
-                    self.settings.table_path(STREAM_CLOCK)
-                )
-                self.ticks += 1
+                self.tick_if_idle()
             except Exception as exc:  # a missed tick only delays finalisation; the next one catches up
-                print(f"event clock: tick failed ({exc}); retrying", file=self.out, flush=True)
+                print(f"event clock: tick failed ({explain(exc)}); retrying", file=self.out, flush=True)
