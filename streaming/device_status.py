@@ -52,7 +52,7 @@ from iotmon.schema import (
     ONLINE,
     SEQ,
 )
-from streaming.sources import readings_and_ticks
+from streaming.sources import observe_arrivals, readings_and_ticks
 
 DEVICE_STATUS_CHANGES_SCHEMA = StructType(
     [
@@ -384,7 +384,7 @@ def status_updates(readings: DataFrame, settings: Settings) -> DataFrame:
         _ = readings.sparkSession.streams
     rules = StatusRules.from_settings(settings)
     operator_input = (
-        readings.withWatermark(EVENT_TIME, settings.watermark)
+        observe_arrivals(readings.withWatermark(EVENT_TIME, settings.watermark))
         .where(F.col(DEVICE_ID).isNotNull())  # the event-time clock's ticks only move the watermark
         .withColumn("event_ms", F.unix_millis(EVENT_TIME))
         .select(*_INPUT_COLUMNS)

@@ -34,14 +34,11 @@ from iotmon.schema import (
     DEVICES,
     DEVICES_SCHEMA,
     EVENT_TIME,
-    LATE,
     LIVE_WINDOWS,
-    ON_TIME,
     QUARANTINE,
     SILVER,
     SILVER_SCHEMA,
     STREAM_CLOCK,
-    TOO_LATE,
 )
 from streaming.device_status import DEVICE_STATUS_QUERY, ensure_device_status_tables
 from streaming.silver import (
@@ -52,7 +49,7 @@ from streaming.silver import (
     rejected_rows,
     silver_rows,
 )
-from streaming.sources import CLOCK_SCHEMA, readings_and_ticks
+from streaming.sources import ARRIVALS, CLOCK_SCHEMA, watermarked_readings
 from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
 
 FINAL_THROUGH = "iotmon.finalThrough"
@@ -61,8 +58,6 @@ written, so a gold query re-deriving its state from the start skips them."""
 BRONZE_VERSION = "iotmon.bronzeVersion"
 """Table property of ``silver`` set by ``iotmon backfill``: silver holds bronze up to this version, so a
 silver query starting from a new checkpoint begins right after it."""
-LATENESS_METRIC = "lateness"
-"""Name of the observed metric (in each progress of the windows query) counting readings by lateness."""
 _TABLE = "_table"
 
 
@@ -87,11 +82,6 @@ def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
     create_table(spark, settings.table_path(LIVE_WINDOWS), live, "Per-device tumbling windows, updated in place.")
     create_table(spark, settings.table_path(STREAM_CLOCK), CLOCK_SCHEMA, "Event-time ticks while input is idle.")
     ensure_device_status_tables(spark, settings)
-
-
-def readings_with_clock(spark: SparkSession, settings: Settings) -> DataFrame:
-    """Silver readings and the clock's ticks, watermarked together (the window functions skip the ticks)."""
-    return readings_and_ticks(spark, settings).withWatermark(EVENT_TIME, settings.watermark)
 
 
 class _TransactionId:
@@ -175,18 +165,6 @@ def final_through(spark: SparkSession, settings: Settings) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 
 
-def observe_lateness(readings: DataFrame) -> DataFrame:
-    """Count each batch's readings by lateness into the query's progress (``observedMetrics``)."""
-    lateness = F.col("lateness")
-    return readings.observe(
-        LATENESS_METRIC,
-        F.count(lateness).alias("readings"),
-        F.count(F.when(lateness == ON_TIME, 1)).alias(ON_TIME),
-        F.count(F.when(lateness == LATE, 1)).alias(LATE),
-        F.count(F.when(lateness == TOO_LATE, 1)).alias(TOO_LATE),
-    )
-
-
 def write_final_batch(settings: Settings, app_id: _TransactionId, after: datetime | None):
     def write(batch: DataFrame, batch_id: int) -> None:
         batch.persist()
@@ -210,7 +188,7 @@ def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigge
     Append mode: a window or session is emitted once, in the batch in which the watermark passes its end.
     """
     spec = WindowSpec.from_settings(settings)
-    readings = observe_lateness(readings_with_clock(spark, settings))
+    readings = watermarked_readings(spark, settings)
     tagged = [compute(readings, spec).withColumn(_TABLE, F.lit(table)) for table, compute in FINAL_TABLES.items()]
     union = tagged[0]
     for frame in tagged[1:]:
@@ -261,7 +239,7 @@ def write_live_batch(settings: Settings, app_id: _TransactionId):
 
 def start_live_windows(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
     """Update mode: every batch MERGEs the windows it changed, so late readings correct them in place."""
-    windows = tumbling_device_windows(readings_with_clock(spark, settings), WindowSpec.from_settings(settings))
+    windows = tumbling_device_windows(watermarked_readings(spark, settings), WindowSpec.from_settings(settings))
     checkpoint = settings.checkpoint_path(LIVE_WINDOWS)
     return (
         windows.writeStream.queryName(LIVE_WINDOWS)
@@ -303,7 +281,7 @@ class EventClock(threading.Thread):
             if progress["batchId"] <= self.last_batch:
                 continue
             self.last_batch = progress["batchId"]
-            counts = progress.get("observedMetrics", {}).get(LATENESS_METRIC)  # a Row (or dict)
+            counts = progress.get("observedMetrics", {}).get(ARRIVALS)  # a Row (or dict)
             readings = counts["readings"] if counts is not None else 0
             latest = progress.get("eventTime", {}).get("max")
             if readings:

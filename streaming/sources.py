@@ -1,14 +1,25 @@
-"""The analytics stage's streaming inputs: silver, and silver with the event-time clock's ticks."""
+"""The analytics stage's streaming inputs: silver with the event-time clock's ticks, watermarked and observed.
+
+Ticks are rows with only ``event_time`` that move the watermark when the fleet is silent; consumers drop
+them after the watermark has seen them. ``observe_arrivals`` matters for that: Spark pushes a filter below
+the watermark operator unless the filter mentions the event-time column, so ``WHERE device_id IS NOT
+NULL`` (or any lateness filter) would drop the ticks before they could move anything. Filters do not cross
+an observation, so every consumer observes its input right after the watermark, and gets the batch's
+counts in its progress report (``observedMetrics``) as well.
+"""
 
 from __future__ import annotations
 
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType, TimestampType
 
 from iotmon.config import Settings
-from iotmon.schema import EVENT_TIME, SILVER, STREAM_CLOCK
+from iotmon.schema import DEVICE_ID, EVENT_TIME, LATE, ON_TIME, SILVER, STREAM_CLOCK, TOO_LATE
 
 CLOCK_SCHEMA = StructType([StructField(EVENT_TIME, TimestampType(), False)])
+ARRIVALS = "arrivals"
+"""Name of the observed metric: ``readings``, ``on_time``, ``late``, ``too_late`` and ``ticks`` per batch."""
 
 
 def delta_stream(spark: SparkSession, settings: Settings, table: str) -> DataFrame:
@@ -16,7 +27,25 @@ def delta_stream(spark: SparkSession, settings: Settings, table: str) -> DataFra
 
 
 def readings_and_ticks(spark: SparkSession, settings: Settings) -> DataFrame:
-    """Silver readings plus the clock's ticks: rows with only ``event_time`` that move the watermark when
-    the fleet is silent. Consumers watermark the union and drop the ticks (null ``device_id``) after it."""
+    """Silver readings plus the clock's ticks (null ``device_id``), not yet watermarked."""
     ticks = delta_stream(spark, settings, STREAM_CLOCK)
     return delta_stream(spark, settings, SILVER).unionByName(ticks, allowMissingColumns=True)
+
+
+def observe_arrivals(frame: DataFrame) -> DataFrame:
+    """Count the batch's readings by lateness, and the ticks; apply it right after the watermark."""
+    lateness, device = F.col("lateness"), F.col(DEVICE_ID)
+    return frame.observe(
+        ARRIVALS,
+        F.count(device).alias("readings"),
+        F.count(F.when(lateness == ON_TIME, 1)).alias(ON_TIME),
+        F.count(F.when(lateness == LATE, 1)).alias(LATE),
+        F.count(F.when(lateness == TOO_LATE, 1)).alias(TOO_LATE),
+        F.count(F.when(device.isNull(), 1)).alias("ticks"),
+    )
+
+
+def watermarked_readings(spark: SparkSession, settings: Settings) -> DataFrame:
+    """What the gold queries consume: readings and ticks under one watermark, observed (ticks still in)."""
+    frame = readings_and_ticks(spark, settings).withWatermark(EVENT_TIME, settings.watermark)
+    return observe_arrivals(frame)

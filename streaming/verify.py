@@ -5,7 +5,7 @@ This is the exactly-once check of the analytics stage, used by ``iotmon verify``
 * silver holds exactly the distinct accepted readings of bronze, each once, with the same lateness a
   batch classification gives (and, with ground truth, the simulator's own lateness);
 * every final table equals its batch recomputation from silver for everything the stream has finalised
-  (windows and sessions ending at or before the windows query's committed watermark), with no key twice;
+  (windows and sessions the windows query's committed watermark has passed), with no key twice;
 * the live table equals the batch tumbling windows for every window the stream has seen.
 
 Float statistics are compared with a relative tolerance: summation order differs between a stream and a
@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from iotmon.config import Settings
@@ -62,15 +62,23 @@ class AnalyticsCheck:
         return "\n".join(lines)
 
 
-def committed_watermark(spark: SparkSession, checkpoint: str) -> datetime | None:
-    """The event-time watermark of the last committed batch of the query at ``checkpoint``."""
+def committed_watermarks(spark: SparkSession, checkpoint: str) -> tuple[datetime | None, datetime | None]:
+    """The watermark the last committed batch of the query at ``checkpoint`` started with, and the one it
+    ended with. Rows ending at or before the first are surely final; rows ending after the second are surely
+    not; in between, Spark's operators may already have emitted them."""
     commits = _batch_files(spark, f"{checkpoint}/commits")
     if not commits:
-        return None
+        return None, None
     last = max(commits)
-    lines = [row.value for row in spark.read.text(f"{checkpoint}/offsets/{last}").collect()]
-    watermark_ms = json.loads(lines[1]).get("batchWatermarkMs", 0)
-    return datetime.fromtimestamp(watermark_ms / 1000, UTC).replace(tzinfo=None) if watermark_ms else None
+    planned = [row.value for row in spark.read.text(f"{checkpoint}/offsets/{last}").collect()]
+    committed = [row.value for row in spark.read.text(f"{checkpoint}/commits/{last}").collect()]
+    start_ms = json.loads(planned[1]).get("batchWatermarkMs", 0)
+    end_ms = json.loads(committed[1]).get("nextBatchWatermarkMs", start_ms) if len(committed) > 1 else start_ms
+    return _timestamp(start_ms), _timestamp(max(start_ms, end_ms))
+
+
+def _timestamp(epoch_ms: int) -> datetime | None:
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).replace(tzinfo=None) if epoch_ms else None
 
 
 def _batch_files(spark: SparkSession, folder: str) -> list[int]:
@@ -82,15 +90,20 @@ def _batch_files(spark: SparkSession, folder: str) -> list[int]:
     return [int(s.getPath().getName()) for s in fs.listStatus(path) if s.getPath().getName().isdigit()]
 
 
-def compare_tables(expected: DataFrame, actual: DataFrame, keys: tuple[str, ...], name: str) -> tuple[int, list[str]]:
-    """Rows of ``actual`` and ``expected`` matched by ``keys``; problems when either side differs."""
+def compare_tables(
+    expected: DataFrame, actual: DataFrame, keys: tuple[str, ...], name: str, optional: Column | None = None
+) -> tuple[int, list[str]]:
+    """Rows of ``actual`` and ``expected`` matched by ``keys``; problems when either side differs. Expected
+    rows matching ``optional`` (a condition on the expected side, ``e.<column>``) may be absent, but must be
+    equal when present."""
     problems = []
     duplicates = actual.groupBy(*keys).count().where("count > 1").count()
     if duplicates:
         problems.append(f"{name}: {duplicates} keys written more than once")
     values = [c for c in expected.columns if c not in keys]
     joined = expected.alias("e").join(actual.alias("a"), list(keys), "full_outer")
-    missing = joined.where(F.col(f"a.{values[0]}").isNull() & F.col(f"e.{values[0]}").isNotNull()).count()
+    absent = joined.where(F.col(f"a.{values[0]}").isNull() & F.col(f"e.{values[0]}").isNotNull())
+    missing = (absent if optional is None else absent.where(~optional)).count()
     extra = joined.where(F.col(f"e.{values[0]}").isNull() & F.col(f"a.{values[0]}").isNotNull()).count()
     differs = F.lit(False)
     for column in values:
@@ -131,18 +144,19 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
 
     spec = WindowSpec.from_settings(settings)
     # After a backfill the final tables hold rows up to its mark even before the stream finalised any.
-    marks = [committed_watermark(spark, settings.checkpoint_path(DEVICE_WINDOWS)), final_through(spark, settings)]
-    check.watermark = max((mark for mark in marks if mark is not None), default=None)
+    backfilled = final_through(spark, settings)
+    lower, upper = committed_watermarks(spark, settings.checkpoint_path(DEVICE_WINDOWS))
+    lower, upper = (max((m for m in (mark, backfilled) if m is not None), default=None) for mark in (lower, upper))
+    check.watermark = lower
     for table, compute in FINAL_TABLES.items():
         actual = read(settings.table_path(table))
         # Materialised before filtering: Spark pushes a filter on a session window's end below the
         # aggregation that merges the sessions, which truncates them (seen with Spark 4.2).
         expected = compute(silver, spec).localCheckpoint()
-        if check.watermark is None:
-            expected = expected.where(F.lit(False))
-        else:
-            expected = expected.where(F.col(END_COLUMN[table]) <= F.lit(check.watermark))
-        count, problems = compare_tables(expected, actual.select(*expected.columns), KEYS[table], table)
+        end = F.col(END_COLUMN[table])
+        expected = expected.where(end <= F.lit(upper)) if upper is not None else expected.limit(0)
+        optional = F.col(f"e.{END_COLUMN[table]}") > F.lit(lower) if lower is not None else None
+        count, problems = compare_tables(expected, actual.select(*expected.columns), KEYS[table], table, optional)
         check.rows_checked[table] = count
         check.problems += problems
     live = read(settings.table_path(LIVE_WINDOWS))

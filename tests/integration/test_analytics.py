@@ -209,7 +209,7 @@ def test_a_silent_fleet_still_finalises_its_last_windows_and_goes_offline(isolat
         status_path = fast.table_path(DEVICE_STATUS)
 
         def everything_final() -> bool:
-            if not deltalake.DeltaTable.is_deltatable(silver_path):
+            if not all(deltalake.DeltaTable.is_deltatable(p) for p in (silver_path, windows_path, status_path)):
                 return False
             newest = deltalake.DeltaTable(silver_path).to_pandas(columns=["event_time"]).event_time.max()
             windows = deltalake.DeltaTable(windows_path).to_pandas(columns=["window_end"])

@@ -10,12 +10,13 @@ from types import SimpleNamespace
 from pyspark.sql import Row
 
 from iotmon.config import Settings
-from streaming.jobs import LATENESS_METRIC, EventClock
+from streaming.jobs import EventClock
+from streaming.sources import ARRIVALS
 
 
 def _progress(batch: int, readings: int, newest: str | None) -> dict:
     event_time = {"max": newest} if newest else {}
-    return {"batchId": batch, "observedMetrics": {LATENESS_METRIC: Row(readings=readings)}, "eventTime": event_time}
+    return {"batchId": batch, "observedMetrics": {ARRIVALS: Row(readings=readings)}, "eventTime": event_time}
 
 
 def _clock() -> EventClock:
