@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TextIO
 
@@ -30,6 +31,7 @@ from iotmon.lake import append_once, checkpoint_app_id, create_table, transactio
 from iotmon.queries import QuerySpec, Trigger, explain
 from iotmon.schema import (
     BRONZE,
+    DEVICE_SESSIONS,
     DEVICE_WINDOWS,
     DEVICES,
     DEVICES_SCHEMA,
@@ -38,6 +40,7 @@ from iotmon.schema import (
     QUARANTINE,
     SILVER,
     SILVER_SCHEMA,
+    SITE_WINDOWS,
     STREAM_CLOCK,
 )
 from streaming.device_status import DEVICE_STATUS_QUERY, ensure_device_status_tables
@@ -59,6 +62,8 @@ BRONZE_VERSION = "iotmon.bronzeVersion"
 """Table property of ``silver`` set by ``iotmon backfill``: silver holds bronze up to this version, so a
 silver query starting from a new checkpoint begins right after it."""
 _TABLE = "_table"
+BatchWriter = Callable[[DataFrame, int], None]
+"""A ``foreachBatch`` function: the micro-batch and its id."""
 
 
 def empty_silver(spark: SparkSession) -> DataFrame:
@@ -71,13 +76,12 @@ def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
     create_table(spark, settings.table_path(DEVICES), DEVICES_SCHEMA, "The device registry (static reference).")
     create_table(spark, settings.table_path(SILVER), SILVER_SCHEMA, "Distinct valid readings, enriched.")
     comments = {
-        "device_windows": "Final per-device tumbling and sliding window statistics, each written once.",
-        "site_windows": "Final per-site and device-type tumbling window statistics, each written once.",
-        "device_sessions": "Final per-device activity sessions (gap-based), each written once.",
+        DEVICE_WINDOWS: "Final per-device tumbling and sliding window statistics, each written once.",
+        SITE_WINDOWS: "Final per-site and device-type tumbling window statistics, each written once.",
+        DEVICE_SESSIONS: "Final per-device activity sessions (gap-based), each written once.",
     }
     for table, compute in FINAL_TABLES.items():
-        schema = compute(empty_silver(spark), spec).schema
-        create_table(spark, settings.table_path(table), schema, comments[table], append_only=False)
+        create_table(spark, settings.table_path(table), compute(empty_silver(spark), spec).schema, comments[table])
     live = tumbling_device_windows(empty_silver(spark), spec).schema
     create_table(spark, settings.table_path(LIVE_WINDOWS), live, "Per-device tumbling windows, updated in place.")
     create_table(spark, settings.table_path(STREAM_CLOCK), CLOCK_SCHEMA, "Event-time ticks while input is idle.")
@@ -100,7 +104,7 @@ class _TransactionId:
 # --- silver ---------------------------------------------------------------------------------------------
 
 
-def write_silver_batch(settings: Settings, app_id: _TransactionId):
+def write_silver_batch(settings: Settings, app_id: _TransactionId) -> BatchWriter:
     silver_path, quarantine_path = settings.table_path(SILVER), settings.table_path(QUARANTINE)
 
     def write(batch: DataFrame, batch_id: int) -> None:
@@ -165,7 +169,7 @@ def final_through(spark: SparkSession, settings: Settings) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 
 
-def write_final_batch(settings: Settings, app_id: _TransactionId, after: datetime | None):
+def write_final_batch(settings: Settings, app_id: _TransactionId, after: datetime | None) -> BatchWriter:
     def write(batch: DataFrame, batch_id: int) -> None:
         batch.persist()
         try:
@@ -207,7 +211,7 @@ def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigge
 # --- gold: live windows -----------------------------------------------------------------------------------
 
 
-def write_live_batch(settings: Settings, app_id: _TransactionId):
+def write_live_batch(settings: Settings, app_id: _TransactionId) -> BatchWriter:
     path = settings.table_path(LIVE_WINDOWS)
 
     def write(batch: DataFrame, batch_id: int) -> None:

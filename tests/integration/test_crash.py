@@ -43,6 +43,7 @@ def _batch_in_flight(checkpoint: str, after: int) -> int | None:
 
 
 def _simulate(settings: Settings, truth: Path, events: int, seed: int) -> None:
+    """The seed fixes the registry too: later runs reuse it, so the fleet (and each device's site) stays put."""
     options = SimulationOptions(devices=100, seed=seed, events=events, truth_path=truth, progress=False)
     assert run_simulation(settings, options).failed == 0
 
@@ -87,7 +88,7 @@ def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: 
                 os.killpg(process.pid, signal.SIGKILL)
         last_killed[query] = in_flight
         if kill == 1:  # more data arrives while the stream is down
-            _simulate(settings, second, events=5_000, seed=4)
+            _simulate(settings, second, events=5_000, seed=3)
 
     report = _reconciles_exactly(settings, first, second)
     for group in groups:  # the orphaned JVM is long gone by now; make sure nothing lingers
@@ -110,7 +111,7 @@ def test_broker_restart_mid_run(isolated: Settings, tmp_path: Path) -> None:
             wait_for(lambda: len(batch_ids(checkpoint, "commits")) >= 2, 180, "two committed batches")
             broker.stop(own)
             broker.start(own)
-            _simulate(own, second, events=4_000, seed=6)
+            _simulate(own, second, events=4_000, seed=5)
             assert process.poll() is None, "the stream died when the broker restarted"
             process.send_signal(signal.SIGTERM)
             assert process.wait(120) == 0
