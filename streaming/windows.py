@@ -27,7 +27,9 @@ from iotmon.schema import (
 )
 
 TUMBLING, SLIDING = "tumbling", "sliding"
-DEVICE_GROUP: tuple[str, ...] = (DEVICE_ID, "device_type", "site")
+DEVICE_ATTRIBUTES: tuple[str, ...] = ("device_type", "site")
+"""Registry columns carried into per-device rows. Taken with ``max`` rather than grouped by, so a device the
+registry moves mid-window still has one row per window: the key of a per-device table is the device."""
 END_COLUMN: dict[str, str] = {DEVICE_WINDOWS: "window_end", SITE_WINDOWS: "window_end", DEVICE_SESSIONS: "session_end"}
 """The column saying when a row of each final table became final (its window or session closed)."""
 
@@ -69,15 +71,16 @@ def countable(readings: DataFrame) -> DataFrame:
     return readings.where(F.col("lateness").isin(ON_TIME, LATE))
 
 
-def _windowed(readings: DataFrame, window: Column, group: tuple[str, ...]) -> DataFrame:
+def _windowed(readings: DataFrame, window: Column, group: tuple[str, ...], carried: tuple[str, ...] = ()) -> DataFrame:
     return (
         countable(readings)
         .groupBy(window.alias("window"), *group)
-        .agg(*metric_stats())
+        .agg(*[F.max(name).alias(name) for name in carried], *metric_stats())
         .select(
             F.col("window.start").alias("window_start"),
             F.col("window.end").alias("window_end"),
             *group,
+            *carried,
             *STAT_COLUMNS,
         )
     )
@@ -85,13 +88,14 @@ def _windowed(readings: DataFrame, window: Column, group: tuple[str, ...]) -> Da
 
 def tumbling_device_windows(readings: DataFrame, spec: WindowSpec) -> DataFrame:
     """Per device and tumbling window: the live table's rows, and the final table's ``tumbling`` rows."""
-    return _windowed(readings, F.window(EVENT_TIME, spec.window), DEVICE_GROUP)
+    return _windowed(readings, F.window(EVENT_TIME, spec.window), (DEVICE_ID,), DEVICE_ATTRIBUTES)
 
 
 def device_windows(readings: DataFrame, spec: WindowSpec) -> DataFrame:
     """Per device: tumbling and sliding windows, told apart by ``window_kind``."""
     tumbling = tumbling_device_windows(readings, spec).withColumn("window_kind", F.lit(TUMBLING))
-    sliding = _windowed(readings, F.window(EVENT_TIME, spec.sliding_window, spec.slide), DEVICE_GROUP)
+    sliding_window = F.window(EVENT_TIME, spec.sliding_window, spec.slide)
+    sliding = _windowed(readings, sliding_window, (DEVICE_ID,), DEVICE_ATTRIBUTES)
     both = tumbling.unionByName(sliding.withColumn("window_kind", F.lit(SLIDING)))
     return both.select("window_kind", *[c for c in both.columns if c != "window_kind"])
 
@@ -118,10 +122,11 @@ def device_sessions(readings: DataFrame, spec: WindowSpec) -> DataFrame:
     last reading plus the gap, Spark's definition."""
     return (
         countable(readings)
-        .groupBy(F.session_window(EVENT_TIME, spec.session_gap).alias("session"), *DEVICE_GROUP)
-        .agg(*metric_stats())
+        .groupBy(F.session_window(EVENT_TIME, spec.session_gap).alias("session"), DEVICE_ID)
+        .agg(*[F.max(name).alias(name) for name in DEVICE_ATTRIBUTES], *metric_stats())
         .select(
-            *DEVICE_GROUP,
+            DEVICE_ID,
+            *DEVICE_ATTRIBUTES,
             F.col("session.start").alias("session_start"),
             F.col("session.end").alias("session_end"),
             *STAT_COLUMNS,
