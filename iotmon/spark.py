@@ -53,4 +53,10 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
     )
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
+    # transformWithState warns for every key seen the first time ("Value state ... doesn't contain a value").
+    log4j = session.sparkContext._jvm.org.apache.logging.log4j
+    log4j.core.config.Configurator.setLevel(
+        "org.apache.spark.sql.execution.python.streaming.TransformWithStateInPySparkStateServer",
+        log4j.Level.ERROR,
+    )
     return session
