@@ -169,13 +169,16 @@ def final_through(spark: SparkSession, settings: Settings) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 
 
-def write_final_batch(settings: Settings, app_id: _TransactionId, after: datetime | None) -> BatchWriter:
+def write_final_batch(
+    settings: Settings, app_id: _TransactionId, after: datetime | None, columns: dict[str, list[str]]
+) -> BatchWriter:
+    """Split the tagged union into its tables; ``columns`` are each table's own."""
+
     def write(batch: DataFrame, batch_id: int) -> None:
         batch.persist()
         try:
-            for table, compute in FINAL_TABLES.items():
-                columns = compute(empty_silver(batch.sparkSession), WindowSpec.from_settings(settings)).columns
-                rows = batch.where(F.col(_TABLE) == table).select(*columns)
+            for table in FINAL_TABLES:
+                rows = batch.where(F.col(_TABLE) == table).select(*columns[table])
                 if after is not None:
                     rows = rows.where(F.col(END_COLUMN[table]) > F.lit(after))
                 if not rows.isEmpty():
@@ -193,15 +196,18 @@ def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigge
     """
     spec = WindowSpec.from_settings(settings)
     readings = watermarked_readings(spark, settings)
-    tagged = [compute(readings, spec).withColumn(_TABLE, F.lit(table)) for table, compute in FINAL_TABLES.items()]
+    tables = {table: compute(readings, spec) for table, compute in FINAL_TABLES.items()}
+    tagged = [frame.withColumn(_TABLE, F.lit(table)) for table, frame in tables.items()]
     union = tagged[0]
     for frame in tagged[1:]:
         union = union.unionByName(frame, allowMissingColumns=True)
     checkpoint = settings.checkpoint_path(DEVICE_WINDOWS)
+    columns = {table: frame.columns for table, frame in tables.items()}
+    writer = write_final_batch(settings, _TransactionId(checkpoint), final_through(spark, settings), columns)
     return (
         union.writeStream.queryName(DEVICE_WINDOWS)
         .outputMode("append")
-        .foreachBatch(write_final_batch(settings, _TransactionId(checkpoint), final_through(spark, settings)))
+        .foreachBatch(writer)
         .option("checkpointLocation", checkpoint)
         .trigger(**trigger)
         .start()
