@@ -52,7 +52,7 @@ from iotmon.schema import (
     ONLINE,
     SEQ,
 )
-from streaming.sources import observe_arrivals, readings_and_ticks
+from streaming.sources import ensure_clock_table, observe_arrivals, readings_and_ticks
 
 DEVICE_STATUS_CHANGES_SCHEMA = StructType(
     [
@@ -473,6 +473,7 @@ def status_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
 
 def start_device_status(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
     ensure_device_status_tables(spark, settings)
+    ensure_clock_table(spark, settings)
     return (
         status_updates(readings_and_ticks(spark, settings), settings)
         .writeStream.queryName(DEVICE_STATUS)

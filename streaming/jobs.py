@@ -52,7 +52,7 @@ from streaming.silver import (
     rejected_rows,
     silver_rows,
 )
-from streaming.sources import ARRIVALS, CLOCK_SCHEMA, watermarked_readings
+from streaming.sources import ARRIVALS, CLOCK_SCHEMA, ensure_clock_table, watermarked_readings
 from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
 
 FINAL_THROUGH = "iotmon.finalThrough"
@@ -84,7 +84,7 @@ def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
         create_table(spark, settings.table_path(table), compute(empty_silver(spark), spec).schema, comments[table])
     live = tumbling_device_windows(empty_silver(spark), spec).schema
     create_table(spark, settings.table_path(LIVE_WINDOWS), live, "Per-device tumbling windows, updated in place.")
-    create_table(spark, settings.table_path(STREAM_CLOCK), CLOCK_SCHEMA, "Event-time ticks while input is idle.")
+    ensure_clock_table(spark, settings)
     ensure_device_status_tables(spark, settings)
 
 

@@ -15,11 +15,16 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType, TimestampType
 
 from iotmon.config import Settings
+from iotmon.lake import create_table
 from iotmon.schema import DEVICE_ID, EVENT_TIME, LATE, ON_TIME, SILVER, STREAM_CLOCK, TOO_LATE
 
 CLOCK_SCHEMA = StructType([StructField(EVENT_TIME, TimestampType(), False)])
 ARRIVALS = "arrivals"
 """Name of the observed metric: ``readings``, ``on_time``, ``late``, ``too_late`` and ``ticks`` per batch."""
+
+
+def ensure_clock_table(spark: SparkSession, settings: Settings) -> None:
+    create_table(spark, settings.table_path(STREAM_CLOCK), CLOCK_SCHEMA, "Event-time ticks while input is idle.")
 
 
 def delta_stream(spark: SparkSession, settings: Settings, table: str) -> DataFrame:
