@@ -372,7 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     kafka = command("kafka", cmd_kafka, "start, stop or inspect the embedded single-node Kafka broker")
     kafka.add_argument("action", choices=("start", "stop", "status"))
     _add_simulate_arguments(command("simulate", cmd_simulate, "publish a simulated sensor fleet to Kafka"))
-    stream = command("stream", cmd_stream, "run the streaming queries (Kafka -> bronze -> quarantine)")
+    stream = command(
+        "stream", cmd_stream, "run the streaming queries (Kafka -> bronze -> silver -> gold, device status)"
+    )
     stream.add_argument("--until-idle", action="store_true", help="process what Kafka holds now, then exit 0")
     verify = command("verify", cmd_verify, "reconcile Kafka, the lake and the ground truth; non-zero on mismatch")
     verify.add_argument("--truth", type=Path, action="append", default=[], help="ground-truth file (repeatable)")
