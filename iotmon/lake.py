@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from delta.tables import DeltaTable
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
 from iotmon.config import Settings
@@ -50,11 +50,22 @@ def append_once(frame: DataFrame, path: str, app_id: str, batch_id: int) -> None
     writer.option("txnAppId", app_id).option("txnVersion", batch_id).save(path)
 
 
+def merge_once(source: DataFrame, path: str, condition: Column, app_id: str, batch_id: int, *, update: bool) -> None:
+    """MERGE ``source`` (alias ``s``) into the table at ``path`` (alias ``t``) unless batch ``batch_id`` of
+    ``app_id`` already did: insert the unmatched rows and, with ``update``, overwrite the matched ones."""
+    session = source.sparkSession
+    merge = DeltaTable.forPath(session, path).alias("t").merge(source.alias("s"), condition)
+    if update:
+        merge = merge.whenMatchedUpdateAll()
+    with _transaction_id(session, app_id, batch_id):
+        merge.whenNotMatchedInsertAll().execute()
+
+
 @contextmanager
-def transaction_id(spark: SparkSession, app_id: str, batch_id: int) -> Iterator[None]:
+def _transaction_id(spark: SparkSession, app_id: str, batch_id: int) -> Iterator[None]:
     """Tag the next Delta command of ``spark`` (MERGE takes no write options) with ``(app_id, batch_id)``.
 
-    Use it with the micro-batch's own session (``batch.sparkSession``): each streaming query runs in a
+    ``spark`` is the micro-batch's own session (``batch.sparkSession``): each streaming query runs in a
     clone of the session, so concurrent queries never see each other's tags.
     """
     spark.conf.set(_TXN_APP_ID, app_id)

@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import pandas as pd
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle, StreamingQuery
@@ -40,7 +39,7 @@ from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValu
 from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import append_once, checkpoint_app_id, create_table, transaction_id
+from iotmon.lake import append_once, checkpoint_app_id, create_table, merge_once
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     DEGRADED,
@@ -455,16 +454,8 @@ def status_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
             if batch.isEmpty():
                 return
             append_once(changes_of(batch), changes_path, app_id, batch_id)
-            # The MERGE must run in the batch's own session: that is where transaction_id tags it.
-            status_table = DeltaTable.forPath(batch.sparkSession, status_path)
-            with transaction_id(batch.sparkSession, app_id, batch_id):
-                (
-                    status_table.alias("current")
-                    .merge(latest_status(batch).alias("latest"), f"current.{DEVICE_ID} = latest.{DEVICE_ID}")
-                    .whenMatchedUpdateAll()
-                    .whenNotMatchedInsertAll()
-                    .execute()
-                )
+            same_device = F.col(f"t.{DEVICE_ID}") == F.col(f"s.{DEVICE_ID}")
+            merge_once(latest_status(batch), status_path, same_device, app_id, batch_id, update=True)
         finally:
             batch.unpersist()
 

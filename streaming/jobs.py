@@ -27,7 +27,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import append_once, checkpoint_app_id, create_table, transaction_id
+from iotmon.lake import append_once, checkpoint_app_id, create_table, merge_once
 from iotmon.queries import QuerySpec, Trigger, explain
 from iotmon.schema import (
     BRONZE,
@@ -108,7 +108,6 @@ def write_silver_batch(settings: Settings, app_id: _TransactionId) -> BatchWrite
     silver_path, quarantine_path = settings.table_path(SILVER), settings.table_path(QUARANTINE)
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        session = batch.sparkSession
         batch.persist()
         try:
             rejects = rejected_rows(batch)
@@ -122,14 +121,7 @@ def write_silver_batch(settings: Settings, app_id: _TransactionId) -> BatchWrite
                 condition = F.col(f"t.{EVENT_TIME}").between(F.lit(bounds[0]), F.lit(bounds[1]))
                 for clause in same_reading:
                     condition = condition & clause
-                with transaction_id(session, app_id(batch), batch_id):
-                    (
-                        DeltaTable.forPath(session, silver_path)
-                        .alias("t")
-                        .merge(readings.alias("s"), condition)
-                        .whenNotMatchedInsertAll()
-                        .execute()
-                    )
+                merge_once(readings, silver_path, condition, app_id(batch), batch_id, update=False)
             readings.unpersist()
         finally:
             batch.unpersist()
@@ -221,7 +213,6 @@ def write_live_batch(settings: Settings, app_id: _TransactionId) -> BatchWriter:
     path = settings.table_path(LIVE_WINDOWS)
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        session = batch.sparkSession
         batch.persist()
         try:
             first = batch.agg(F.min("window_start")).first()
@@ -232,15 +223,7 @@ def write_live_batch(settings: Settings, app_id: _TransactionId) -> BatchWriter:
                 & (F.col("t.window_start") == F.col("s.window_start"))
                 & (F.col("t.device_id") == F.col("s.device_id"))
             )
-            with transaction_id(session, app_id(batch), batch_id):
-                (
-                    DeltaTable.forPath(session, path)
-                    .alias("t")
-                    .merge(batch.alias("s"), condition)
-                    .whenMatchedUpdateAll()
-                    .whenNotMatchedInsertAll()
-                    .execute()
-                )
+            merge_once(batch, path, condition, app_id(batch), batch_id, update=True)
         finally:
             batch.unpersist()
 
