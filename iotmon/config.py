@@ -132,6 +132,12 @@ class Settings:
         _parse_interval,
         "Wall time without readings after which the stream's event-time clock ticks on by itself.",
     )
+    alert_clear_after: str = _setting(
+        "ALERT_CLEAR_AFTER",
+        "1 minute",
+        _parse_interval,
+        "Event time without anomalies after which a device's open alert is cleared.",
+    )
     query_restarts: int = _setting(
         "QUERY_RESTARTS", 5, int, "Times `iotmon stream` restarts a failed query before giving up."
     )

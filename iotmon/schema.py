@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pyspark.sql.types import (
     BinaryType,
+    BooleanType,
     DateType,
     DoubleType,
     IntegerType,
@@ -78,6 +79,8 @@ DEVICE_STATUS = "device_status"
 DEVICE_STATUS_CHANGES = "device_status_changes"
 QUERY_PROGRESS = "query_progress"
 STREAM_CLOCK = "stream_clock"
+ANOMALIES = "anomalies"
+ALERTS = "alerts"
 LAKE_TABLES: tuple[str, ...] = (
     BRONZE,
     QUARANTINE,
@@ -91,6 +94,8 @@ LAKE_TABLES: tuple[str, ...] = (
     DEVICE_STATUS_CHANGES,
     QUERY_PROGRESS,
     STREAM_CLOCK,
+    ANOMALIES,
+    ALERTS,
 )
 
 # How late a reading reached Kafka (Kafka timestamp minus event time), as silver records it.
@@ -100,6 +105,10 @@ LATENESS_LEVELS: tuple[str, ...] = (ON_TIME, LATE, TOO_LATE)
 # Device health as the status operator tracks it.
 ONLINE, DEGRADED, OFFLINE = "online", "degraded", "offline"
 DEVICE_STATES: tuple[str, ...] = (ONLINE, DEGRADED, OFFLINE)
+
+# Alert lifecycle.
+OPEN, CLEARED = "open", "cleared"
+ALERT_STATES: tuple[str, ...] = (OPEN, CLEARED)
 
 # The payload as it is read: every field as raw JSON text, typed afterwards so that a mistyped field
 # is reported by name instead of nulling the whole record.
@@ -196,3 +205,41 @@ QUERY_PROGRESS_SCHEMA = StructType(
 )
 """One row per executed micro-batch of any query (``iotmon.ops``). State and watermark columns are null for
 stateless queries, ``kafka_lag`` for queries without a Kafka source: null means "not applicable", not zero."""
+
+ANOMALIES_SCHEMA = StructType(
+    [
+        StructField(DEVICE_ID, StringType()),
+        StructField(SEQ, LongType()),
+        StructField(EVENT_TIME, TimestampType()),
+        StructField("device_type", StringType()),
+        StructField("site", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("score", DoubleType()),
+        StructField("threshold", DoubleType()),
+        StructField("is_anomaly", BooleanType()),
+        StructField("top_metric", StringType()),
+        StructField("model_name", StringType()),
+        StructField("model_version", IntegerType()),
+    ]
+)
+"""One row per scored silver reading (the reading's key and Kafka coordinates), anomalous or not:
+``top_metric`` is the metric whose features stand out most, ``model_version`` the registered version used."""
+
+ALERTS_SCHEMA = StructType(
+    [
+        StructField("alert_id", StringType(), False),
+        StructField(DEVICE_ID, StringType(), False),
+        StructField("device_type", StringType()),
+        StructField("site", StringType()),
+        StructField("status", StringType(), False),
+        StructField("opened_at", TimestampType(), False),
+        StructField("last_anomaly_at", TimestampType(), False),
+        StructField("cleared_at", TimestampType()),
+        StructField("anomalies", LongType(), False),
+        StructField("max_score", DoubleType()),
+        StructField("top_metric", StringType()),
+        StructField("model_version", IntegerType()),
+    ]
+)
+"""One row per incident (a device's anomaly episode), updated in place from ``open`` to ``cleared``."""
