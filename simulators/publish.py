@@ -221,8 +221,15 @@ class _AwaitingOffsets:
 class Progress:
     """One updating line on a terminal, a line every few seconds in a log."""
 
-    def __init__(self, enabled: bool, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        enabled: bool,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        label: str = "simulate",
+    ):
         self.stream = stream or sys.stderr
+        self.label = label
         self.enabled = enabled
         self.tty = self.stream.isatty()
         self.every = 0.25 if self.tty else 5.0
@@ -242,7 +249,7 @@ class Progress:
         if self.tty:
             self.stream.write(f"\r{line}\x1b[K")
         else:
-            self.stream.write(f"{time.strftime('%H:%M:%S')} simulate: {line}\n")
+            self.stream.write(f"{time.strftime('%H:%M:%S')} {self.label}: {line}\n")
         self.stream.flush()
         self._printed = True
 
