@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -225,6 +226,42 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
     ensure_analytics_tables(spark, settings)
     print(backfill(spark, settings).report())
     return 0
+
+
+# --- train ----------------------------------------------------------------------------------------------
+
+
+def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
+    """Once, or every ``--every`` until stopped; a failed run is reported and leaves the champion as it was."""
+    from iotmon.spark import spark_session
+    from ml.model import ModelParams
+    from ml.train import TrainingError, TrainOptions, train
+
+    truth = _truth_files(settings, args.truth, not args.no_truth)
+    options = TrainOptions(
+        params=ModelParams(clusters=args.clusters, contamination=args.contamination or settings.anomaly_contamination),
+        holdout=args.holdout,
+        truth=tuple(truth),
+        promote=args.promote,
+    )
+    spark = spark_session(settings, "iotmon-train")
+    if args.every is None:
+        try:
+            print(train(spark, settings, options).report())
+        except TrainingError as exc:
+            raise CommandError(str(exc)) from None
+        return 0
+    stop = stop_on_signals()
+    every = interval_seconds(args.every)
+    while True:
+        started = time.monotonic()
+        try:
+            print(train(spark, settings, options).report(), flush=True)
+        except Exception as exc:  # keep retraining; the champion stays whatever it was
+            print(f"iotmon train: run failed, champion unchanged: {exc}", file=sys.stderr, flush=True)
+        if stop.wait(max(0.0, every - (time.monotonic() - started))):
+            return 0
+        options = replace(options, truth=tuple(_truth_files(settings, args.truth, not args.no_truth)))
 
 
 # --- sql -------------------------------------------------------------------------------------------------
@@ -477,6 +514,20 @@ def build_parser() -> argparse.ArgumentParser:
     verify = command("verify", cmd_verify, "reconcile Kafka, the lake and the ground truth; non-zero on mismatch")
     verify.add_argument("--truth", type=Path, action="append", default=[], help="ground-truth file (repeatable)")
     verify.add_argument("--all-truth", action="store_true", help="use every file in $IOTMON_HOME/truth")
+    from ml.model import ModelParams
+
+    trainer = command("train", cmd_train, "train the anomaly model on silver, log it to MLflow, promote if not worse")
+    trainer.add_argument("--every", help="retrain periodically, e.g. '10 minutes' (default: once)")
+    trainer.add_argument(
+        "--clusters", type=int, default=ModelParams.clusters, help=f"KMeans clusters (default {ModelParams.clusters})"
+    )
+    trainer.add_argument(
+        "--contamination", type=float, help="share of readings to flag (default $IOTMON_ANOMALY_CONTAMINATION)"
+    )
+    trainer.add_argument("--holdout", type=float, default=0.2, help="latest share of the data kept for evaluation")
+    trainer.add_argument("--truth", type=Path, action="append", default=[], help="labels: ground-truth file")
+    trainer.add_argument("--no-truth", action="store_true", help="ignore $IOTMON_HOME/truth (evaluate unlabelled)")
+    trainer.add_argument("--promote", action="store_true", help="make this model champion whatever its score")
     command("backfill", cmd_backfill, "rebuild silver and gold from the bronze archive (stop the stream first)")
     sql = command("sql", cmd_sql, "Spark SQL over the lake tables (bronze, quarantine, devices, ...)")
     sql.add_argument("statement", nargs="?", help='e.g. "SELECT parse_error, count(*) FROM bronze GROUP BY 1"')

@@ -43,6 +43,13 @@ def _parse_optional_positive_int(raw: str) -> int | None:
     return _parse_positive_int(raw)
 
 
+def _parse_fraction(raw: str) -> float:
+    value = float(raw)
+    if not 0.0 < value < 0.5:
+        raise ValueError("expected a fraction between 0 and 0.5, e.g. 0.01")
+    return value
+
+
 def _parse_interval(raw: str) -> str:
     """Validate a Spark interval such as ``5 seconds`` or ``2 minutes`` and return it unchanged."""
     parts = raw.strip().split()
@@ -132,6 +139,25 @@ class Settings:
         _parse_interval,
         "Wall time without readings after which the stream's event-time clock ticks on by itself.",
     )
+    feature_history: str = _setting(
+        "FEATURE_HISTORY",
+        "1 minute",
+        _parse_interval,
+        "Event time before a reading that its anomaly features look at (the scorer reads as much history).",
+    )
+    model_name: str = _setting("MODEL_NAME", "iotmon-anomaly", str, "Registered MLflow model the scorer serves.")
+    mlflow_tracking_uri: str | None = _setting(
+        "MLFLOW_TRACKING_URI",
+        None,
+        str,
+        "MLflow tracking and registry (default: SQLite and artifacts under $IOTMON_HOME/mlflow).",
+    )
+    anomaly_contamination: float = _setting(
+        "ANOMALY_CONTAMINATION",
+        0.01,
+        _parse_fraction,
+        "Expected share of anomalous readings; the trainer's threshold flags this share of its training data.",
+    )
     alert_clear_after: str = _setting(
         "ALERT_CLEAR_AFTER",
         "1 minute",
@@ -193,6 +219,15 @@ class Settings:
 
     def checkpoint_path(self, query: str) -> str:
         return f"{self.checkpoint_root.rstrip('/')}/{query}"
+
+    @property
+    def mlflow_home(self) -> Path:
+        return (self.home / "mlflow").absolute()
+
+    @property
+    def tracking_uri(self) -> str:
+        """The MLflow tracking (and registry) URI; local SQLite unless ``IOTMON_MLFLOW_TRACKING_URI`` is set."""
+        return self.mlflow_tracking_uri or f"sqlite:///{self.mlflow_home / 'mlflow.db'}"
 
     @property
     def kafka_host_port(self) -> tuple[str, int]:

@@ -1,0 +1,121 @@
+"""MLflow at the edge: where runs and models are tracked, and the ``champion`` alias the scorer serves.
+
+A registered version carries what serving needs besides the pipeline, as version tags: the decision
+``threshold`` and the ``feature_history_s`` the features were computed with, so a scorer never pairs a
+model with the wrong threshold or feature window. The alias is moved only after the version exists with
+its tags, so ``champion`` never points at a half-registered model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyspark.ml import PipelineModel
+
+from iotmon.config import Settings
+
+CHAMPION = "champion"
+EXPERIMENT = "iotmon-anomaly"
+THRESHOLD_TAG = "threshold"
+HISTORY_TAG = "feature_history_s"
+MODEL_ARTIFACT = "model"
+
+_setup_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A registered version of the anomaly model and the serving parameters stored with it."""
+
+    name: str
+    version: int
+    threshold: float
+    feature_history_s: float
+    run_id: str | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+
+def tracking(settings: Settings):
+    """An ``MlflowClient`` on the configured tracking and registry URI (local SQLite by default)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    with _setup_lock:
+        if settings.mlflow_tracking_uri is None:
+            settings.mlflow_home.mkdir(parents=True, exist_ok=True)
+        # MLflow logs a line per Alembic migration when it creates its SQLite schema; keep startup quiet.
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        mlflow.set_tracking_uri(settings.tracking_uri)
+        mlflow.set_registry_uri(settings.tracking_uri)
+    return MlflowClient(settings.tracking_uri, settings.tracking_uri)
+
+
+def experiment_id(settings: Settings) -> str:
+    """The experiment of the trainer's runs, created with its artifacts under the state dir when local."""
+    client = tracking(settings)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = None
+    if settings.mlflow_tracking_uri is None:
+        location = (settings.mlflow_home / "artifacts").as_uri()
+    return client.create_experiment(EXPERIMENT, artifact_location=location)
+
+
+def model_ref(settings: Settings, version: int) -> ModelRef:
+    client = tracking(settings)
+    found = client.get_model_version(settings.model_name, str(version))
+    tags = found.tags
+    if THRESHOLD_TAG not in tags or HISTORY_TAG not in tags:
+        raise ModelUnusable(f"{settings.model_name} v{version} has no {THRESHOLD_TAG}/{HISTORY_TAG} tags")
+    return ModelRef(
+        settings.model_name, int(found.version), float(tags[THRESHOLD_TAG]), float(tags[HISTORY_TAG]), found.run_id
+    )
+
+
+def champion(settings: Settings) -> ModelRef | None:
+    """The version the ``champion`` alias points at, or None when there is none yet."""
+    from mlflow.exceptions import MlflowException
+
+    client = tracking(settings)
+    try:
+        found = client.get_model_version_by_alias(settings.model_name, CHAMPION)
+    except MlflowException:
+        return None
+    return model_ref(settings, int(found.version))
+
+
+def promote(settings: Settings, version: int) -> None:
+    tracking(settings).set_registered_model_alias(settings.model_name, CHAMPION, str(version))
+
+
+class ModelUnusable(RuntimeError):
+    """A registered version that cannot be served (missing tags, unreadable artifacts)."""
+
+
+def load_pipeline(settings: Settings, ref: ModelRef) -> PipelineModel:
+    """The fitted pipeline of ``ref``; needs an active Spark session."""
+    import mlflow.spark
+
+    tracking(settings)
+    scratch = Path(settings.home, "tmp", "mlflow").absolute()
+    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        return mlflow.spark.load_model(ref.uri, dfs_tmpdir=str(scratch))
+    except Exception as exc:  # any failure to materialise the model makes the version unusable
+        raise ModelUnusable(f"{ref.name} v{ref.version} cannot be loaded: {exc}") from exc
+
+
+def pip_requirements() -> list[str]:
+    """What a served model needs; given explicitly because MLflow's inference costs ~13 s per log."""
+    from importlib.metadata import version
+
+    return [f"pyspark=={version('pyspark')}", f"mlflow=={version('mlflow')}"]

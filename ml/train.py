@@ -1,0 +1,254 @@
+"""``iotmon train``: learn the anomaly model from the archive, track it in MLflow, promote it if not worse.
+
+One run reads silver at a pinned Delta version (recorded in the run with the data's time range), so the
+run can be reproduced exactly. The older part of that snapshot trains; the most recent ``holdout`` share
+of its time range evaluates. The challenger is registered as a new version either way; the ``champion``
+alias moves only if, on the same holdout rows, the challenger's F1 against the ground truth is not below
+the champion's. Without labels for the holdout there is nothing to compare: the first model becomes
+champion, later ones wait for a data scientist's ``--promote``. Any failure leaves the alias untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from iotmon.config import Settings
+from iotmon.schema import EVENT_TIME, SILVER
+from ml import registry
+from ml.evaluation import detection_metrics, label_scores, truth_labels
+from ml.features import FeatureSpec, metric_rows, model_inputs, reading_features
+from ml.model import ModelParams, anomaly_pipeline, anomaly_scores
+
+MIN_READINGS = 1_000
+
+
+class TrainingError(RuntimeError):
+    """Training cannot run (no archive yet, too little data); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    params: ModelParams = field(default_factory=ModelParams)
+    holdout: float = 0.2
+    truth: tuple[Path, ...] = ()
+    promote: bool = False
+    """Promote even without labels to compare on (a data scientist's decision)."""
+
+
+@dataclass
+class TrainReport:
+    run_id: str
+    version: int
+    silver_version: int
+    readings: int
+    data_start: datetime
+    data_end: datetime
+    threshold: float
+    metrics: dict[str, float]
+    champion_version: int | None
+    champion_metrics: dict[str, float] | None
+    promoted: bool
+    decision: str
+    seconds: dict[str, float]
+
+    def report(self) -> str:
+        lines = [
+            f"trained {registry.EXPERIMENT} run {self.run_id}: registered version {self.version}",
+            f"  data: silver v{self.silver_version}, {self.readings:,} readings, {self.data_start} .. {self.data_end}",
+            f"  threshold {self.threshold:.4f}; time " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()),
+        ]
+        if "f1" in self.metrics:
+            lines.append("  holdout (per reading)   precision  recall     f1   episodes found")
+            for prefix, name in [("", "all")] + [(f"{t}_", t) for t in _types(self.metrics)]:
+                episodes = self.metrics.get(f"{prefix}episode_recall")
+                lines.append(
+                    f"    {name:<20} {self.metrics[prefix + 'precision']:>9.3f} {self.metrics[prefix + 'recall']:>7.3f}"
+                    f" {self.metrics[prefix + 'f1']:>6.3f}" + (f"   {episodes:>6.1%}" if episodes is not None else "")
+                )
+        if self.champion_metrics and "f1" in self.champion_metrics:
+            current = self.champion_metrics["f1"]
+            lines.append(f"  champion v{self.champion_version} on the same holdout: f1 {current:.3f}")
+        lines.append(f"  {'PROMOTED' if self.promoted else 'not promoted'}: {self.decision}")
+        return "\n".join(lines)
+
+
+def _types(metrics: dict[str, float]) -> list[str]:
+    from iotmon.schema import ANOMALY_TYPES
+
+    return [t for t in ANOMALY_TYPES if f"{t}_f1" in metrics]
+
+
+class _Steps:
+    """Progress lines, one per step, and how long each step took."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.seconds: dict[str, float] = {}
+        self.current: str | None = None
+        self.started = 0.0
+
+    def __call__(self, name: str, message: str) -> None:
+        self.finish()
+        print(f"train: {message}", file=self.out, flush=True)
+        self.current, self.started = name, time.monotonic()
+
+    def finish(self) -> None:
+        if self.current is not None:
+            self.seconds[self.current] = time.monotonic() - self.started
+            self.current = None
+
+
+def pinned_silver(spark: SparkSession, settings: Settings) -> tuple[int, DataFrame]:
+    path = settings.table_path(SILVER)
+    if not DeltaTable.isDeltaTable(spark, path):
+        raise TrainingError(f"no silver table at {path}: run `iotmon stream` (and a simulator) first")
+    version = DeltaTable.forPath(spark, path).history(1).first()["version"]
+    return version, spark.read.format("delta").option("versionAsOf", version).load(path)
+
+
+def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: TextIO = sys.stderr) -> TrainReport:
+    import mlflow
+    import mlflow.spark
+
+    step = _Steps(out)
+    step("read", "reading silver")
+    silver_version, silver = pinned_silver(spark, settings)
+    bounds = silver.agg(F.count("*"), F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
+    readings, start, end = bounds[0], bounds[1], bounds[2]
+    if readings < MIN_READINGS:
+        raise TrainingError(f"silver v{silver_version} holds {readings:,} readings; training needs {MIN_READINGS:,}")
+    split = start + (end - start) * (1 - options.holdout)
+    spec = FeatureSpec.from_settings(settings)
+    step("features", f"silver v{silver_version}: {readings:,} readings {start} .. {end}; computing features")
+    featured = reading_features(silver, spec).persist()
+    training = featured.where(F.col(EVENT_TIME) < F.lit(split))
+    fit_rows = model_inputs(metric_rows(training)).persist()
+    fit_rows.count()
+    step("fit", f"fitting {options.params} on {fit_rows.count():,} (reading, metric) rows before {split}")
+    pipeline = anomaly_pipeline(options.params).fit(fit_rows)
+    fit_rows.unpersist()
+    step("threshold", "choosing the threshold")
+    train_scores = anomaly_scores(training, pipeline)
+    threshold = train_scores.approxQuantile("score", [1.0 - options.params.contamination], 0.0001)[0]
+    step("evaluate", f"threshold {threshold:.4f}; evaluating on the holdout after {split}")
+    holdout = featured.where(F.col(EVENT_TIME) >= F.lit(split))
+    labels = truth_labels(spark, list(options.truth)) if options.truth else None
+    metrics = _evaluate(holdout, pipeline, threshold, labels)
+    champion = registry.champion(settings)
+    champion_metrics = None
+    if champion is not None and "f1" in metrics:
+        champion_metrics = _evaluate_champion(spark, settings, champion, silver, split, labels, spec)
+    promoted, decision = _decide(metrics, champion, champion_metrics, options.promote)
+    step("log", "logging the run and the model to MLflow")
+    client = registry.tracking(settings)
+    with mlflow.start_run(experiment_id=registry.experiment_id(settings)) as run:
+        mlflow.log_params(
+            {
+                **{f"model_{k}": v for k, v in asdict(options.params).items()},
+                "feature_history_s": spec.history_s,
+                "holdout": options.holdout,
+                "silver_path": settings.table_path(SILVER),
+                "silver_version": silver_version,
+                "readings": readings,
+                "data_start": start.isoformat(),
+                "data_end": end.isoformat(),
+                "holdout_start": split.isoformat(),
+                "truth_files": ",".join(p.name for p in options.truth) or "none",
+            }
+        )
+        mlflow.log_metrics({"threshold": threshold, **metrics})
+        if champion_metrics:
+            mlflow.log_metrics({f"champion_{k}": v for k, v in champion_metrics.items()})
+        scratch = Path(settings.home, "tmp", "mlflow").absolute()
+        scratch.mkdir(parents=True, exist_ok=True)
+        info = mlflow.spark.log_model(
+            pipeline,
+            registry.MODEL_ARTIFACT,
+            registered_model_name=settings.model_name,
+            dfs_tmpdir=str(scratch),
+            pip_requirements=registry.pip_requirements(),
+        )
+        version = int(info.registered_model_version)
+        client.set_model_version_tag(settings.model_name, str(version), registry.THRESHOLD_TAG, repr(threshold))
+        client.set_model_version_tag(settings.model_name, str(version), registry.HISTORY_TAG, repr(spec.history_s))
+        mlflow.set_tags({"decision": decision, "promoted": str(promoted), "registered_version": str(version)})
+        if champion is not None:
+            mlflow.set_tag("champion_version", str(champion.version))
+        if promoted:
+            registry.promote(settings, version)
+    featured.unpersist()
+    step.finish()
+    return TrainReport(
+        run.info.run_id,
+        version,
+        silver_version,
+        readings,
+        start,
+        end,
+        threshold,
+        metrics,
+        champion.version if champion else None,
+        champion_metrics,
+        promoted,
+        decision,
+        step.seconds,
+    )
+
+
+def _evaluate(holdout: DataFrame, pipeline, threshold: float, labels: DataFrame | None) -> dict[str, float]:
+    scores = anomaly_scores(holdout, pipeline)
+    if labels is None:
+        flagged = scores.agg(F.count("*"), F.count(F.when(F.col("score") > threshold, 1))).first()
+        return {"holdout_readings": float(flagged[0]), "holdout_flagged": float(flagged[1])}
+    labelled = label_scores(scores, labels)
+    if labelled.isEmpty():
+        return {"holdout_readings": float(scores.count())}
+    return detection_metrics(labelled, threshold)
+
+
+def _evaluate_champion(
+    spark: SparkSession,
+    settings: Settings,
+    champion: registry.ModelRef,
+    silver: DataFrame,
+    split: datetime,
+    labels: DataFrame | None,
+    spec: FeatureSpec,
+) -> dict[str, float] | None:
+    """The champion on the same holdout, with the features it was trained with; None if it cannot load."""
+    try:
+        pipeline = registry.load_pipeline(settings, champion)
+    except registry.ModelUnusable:
+        return None
+    own_spec = replace(spec, history_s=champion.feature_history_s)
+    holdout = reading_features(silver, own_spec).where(F.col(EVENT_TIME) >= F.lit(split))
+    return _evaluate(holdout, pipeline, champion.threshold, labels)
+
+
+def _decide(
+    metrics: dict[str, float],
+    champion: registry.ModelRef | None,
+    champion_metrics: dict[str, float] | None,
+    force: bool,
+) -> tuple[bool, str]:
+    if force:
+        return True, "promoted on request (--promote)"
+    if champion is None:
+        return True, "first model: no champion yet"
+    if champion_metrics is None and "f1" in metrics:
+        return True, f"champion v{champion.version} cannot be loaded or evaluated"
+    if "f1" not in metrics:
+        return False, "no ground truth for the holdout to compare with; promote with --promote"
+    challenger, current = metrics["f1"], champion_metrics["f1"]
+    if challenger >= current:
+        return True, f"holdout f1 {challenger:.3f} >= champion v{champion.version}'s {current:.3f}"
+    return False, f"holdout f1 {challenger:.3f} < champion v{champion.version}'s {current:.3f}"
