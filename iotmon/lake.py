@@ -77,6 +77,38 @@ def _transaction_id(spark: SparkSession, app_id: str, batch_id: int) -> Iterator
         spark.conf.unset(_TXN_VERSION)
 
 
+def _file_system(spark: SparkSession, path: str):
+    """Hadoop's file system for ``path``: the one Spark uses, so checkpoints on object stores work too."""
+    jvm = spark.sparkContext._jvm
+    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
+    return hadoop_path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), hadoop_path
+
+
+def read_text(spark: SparkSession, path: str) -> str | None:
+    """A small file's text, or None if it does not exist."""
+    fs, hadoop_path = _file_system(spark, path)
+    if not fs.exists(hadoop_path):
+        return None
+    stream = fs.open(hadoop_path)
+    try:
+        return spark.sparkContext._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
+    finally:
+        stream.close()
+
+
+def write_text(spark: SparkSession, path: str, text: str | None) -> None:
+    """Write a small file (overwriting), or delete it when ``text`` is None."""
+    fs, hadoop_path = _file_system(spark, path)
+    if text is None:
+        fs.delete(hadoop_path, False)
+        return
+    stream = fs.create(hadoop_path, True)
+    try:
+        stream.write(bytearray(text.encode()))
+    finally:
+        stream.close()
+
+
 def register_tables(spark: SparkSession, settings: Settings) -> list[str]:
     """Register each existing lake table as a temporary view named after it; return the names."""
     registered = []

@@ -26,12 +26,20 @@ Trigger = dict[str, Any]
 """Keyword arguments of ``DataStreamWriter.trigger``: ``{"availableNow": True}``, ``{"processingTime": ...}``."""
 
 AVAILABLE_NOW: Trigger = {"availableNow": True}
+READY_POLL_SECONDS = 10.0
+"""How often a waiting query asks again whether it can run."""
 
 
 @dataclass(frozen=True)
 class QuerySpec:
     name: str
     start: Callable[[SparkSession, Settings, Trigger], StreamingQuery]
+    ready: Callable[[SparkSession, Settings], str | None] | None = None
+    """For a query that needs something besides its input (the scorer needs a model): None when it can
+    run, else why not. A query that is not ready waits (and is not counted as failing) until it is."""
+
+    def waiting_for(self, spark: SparkSession, settings: Settings) -> str | None:
+        return self.ready(spark, settings) if self.ready is not None else None
 
 
 class QueryFailed(RuntimeError):
@@ -93,6 +101,10 @@ def run_until_idle(
     """Run each query with the available-now trigger, in order, so each sees all its upstream wrote."""
     rows: dict[str, int] = {}
     for spec in specs:
+        waiting = spec.waiting_for(spark, settings)
+        if waiting is not None:
+            print(f"{spec.name:<12} skipped: {waiting}", file=out, flush=True)
+            continue
         started = time.monotonic()
         query = spec.start(spark, settings, AVAILABLE_NOW)
         try:
@@ -119,18 +131,41 @@ def run_continuously(
 ) -> None:
     """Run the queries until ``stop`` is set, restarting a failed query with exponential backoff."""
     trigger: Trigger = {"processingTime": settings.trigger_interval}
-    queries = {spec.name: spec.start(spark, settings, trigger) for spec in specs}
+    queries: dict[str, StreamingQuery] = {}
+    waiting: dict[str, float] = {}
+    """Queries that are not ready, and when to ask again."""
+
+    def start_when_ready(spec: QuerySpec, ended: str | None = None) -> None:
+        reason = spec.waiting_for(spark, settings)
+        if reason is None:
+            waiting.pop(spec.name, None)
+            queries[spec.name] = spec.start(spark, settings, trigger)
+            return
+        if spec.name not in waiting:
+            print(f"{spec.name}: {ended + '; ' if ended else ''}waiting: {reason}", file=out, flush=True)
+        waiting[spec.name] = time.monotonic() + READY_POLL_SECONDS
+
+    for spec in specs:
+        start_when_ready(spec)
     failures: Counter[str] = Counter()
     next_report = time.monotonic() + report_every
     try:
         while not stop.wait(0.5):
             for spec in specs:
+                if spec.name in waiting:
+                    if time.monotonic() >= waiting[spec.name]:
+                        start_when_ready(spec)
+                    continue
                 query = queries[spec.name]
                 if query.isActive:
                     continue
-                failures[spec.name] += 1
                 error = query.exception()
                 reason = explain(error) if error is not None else "stopped"
+                if spec.waiting_for(spark, settings) is not None:
+                    del queries[spec.name]
+                    start_when_ready(spec, ended=f"query ended ({reason})")
+                    continue
+                failures[spec.name] += 1
                 if failures[spec.name] > settings.query_restarts:
                     raise QueryFailed(
                         f"query {spec.name} failed {failures[spec.name]} times; last error: {reason}\n"

@@ -1,8 +1,8 @@
 """How good a model is against the simulator's ground truth: per reading and per anomaly episode.
 
 Per type, recall is the share of that type's readings flagged; precision is the overall one (a false
-alarm belongs to no type), so a type's F1 combines the two. An *episode* (a run of a device's consecutive anomalous readings of
-one type) is detected when any of its readings is flagged: what an operator sees as one alert.
+alarm belongs to no type), so a type's F1 combines the two. An *episode* (a run of a device's consecutive
+anomalous readings of one type) is detected when any of its readings is flagged: what an operator sees as one alert.
 """
 
 from __future__ import annotations

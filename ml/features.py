@@ -11,7 +11,7 @@ one model serves every metric of every device type (per-device normalisation rat
 
 * ``level``: distance of the value from the mean of the history, in history standard deviations
   (spikes, drifts, level shifts);
-* ``step``: the jump from the previous reading, in the same unit (spikes, the edges of episodes);
+* ``step``: the jump from the latest unsuspected reading, in the same unit (spikes, the edges of episodes);
 * ``repeats``: how many of the previous readings (up to ``REPEAT_DEPTH``) repeat the value exactly: a
   live sensor's noise does not repeat itself, a stuck one does;
 * ``spread``: the standard deviation of the last ``SPREAD_DEPTH`` readings against the history's (noise
@@ -48,6 +48,10 @@ _MICROS = "_event_us"
 @dataclass(frozen=True)
 class FeatureSpec:
     history_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.history_s > 0:
+            raise ValueError(f"feature history must be positive, not {self.history_s}")
 
     @property
     def lookback_s(self) -> float:
@@ -126,7 +130,8 @@ def _metric_features(metric: str, history: Window) -> Column:
     spread = F.sqrt(squares / F.greatest(F.size(recent) - 1, F.lit(1)))
     features = {
         "level": (value - mean) / noise,
-        "step": (value - F.col(_previous_column(metric, 1))) / noise,
+        # From the latest unsuspected reading, so the return from a spike is not a second spike.
+        "step": (value - F.coalesce(F.last(F.when(~suspect, value), ignorenulls=True).over(history), value)) / noise,
         "repeats": F.col(f"_{metric}_repeats"),
         "spread": spread / noise,
     }

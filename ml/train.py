@@ -146,7 +146,7 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
     champion = registry.champion(settings)
     champion_metrics = None
     if champion is not None and "f1" in metrics:
-        champion_metrics = _evaluate_champion(spark, settings, champion, silver, split, labels, spec)
+        champion_metrics = _evaluate_champion(settings, champion, silver, featured, split, labels, spec)
     promoted, decision = _decide(metrics, champion, champion_metrics, options.promote)
     step("log", "logging the run and the model to MLflow")
     client = registry.tracking(settings)
@@ -216,10 +216,10 @@ def _evaluate(holdout: DataFrame, pipeline, threshold: float, labels: DataFrame 
 
 
 def _evaluate_champion(
-    spark: SparkSession,
     settings: Settings,
     champion: registry.ModelRef,
     silver: DataFrame,
+    featured: DataFrame,
     split: datetime,
     labels: DataFrame | None,
     spec: FeatureSpec,
@@ -229,8 +229,9 @@ def _evaluate_champion(
         pipeline = registry.load_pipeline(settings, champion)
     except registry.ModelUnusable:
         return None
-    own_spec = replace(spec, history_s=champion.feature_history_s)
-    holdout = reading_features(silver, own_spec).where(F.col(EVENT_TIME) >= F.lit(split))
+    if champion.feature_history_s != spec.history_s:
+        featured = reading_features(silver, replace(spec, history_s=champion.feature_history_s))
+    holdout = featured.where(F.col(EVENT_TIME) >= F.lit(split))
     return _evaluate(holdout, pipeline, champion.threshold, labels)
 
 

@@ -51,7 +51,6 @@ from iotmon.schema import (
     ALERTS,
     ALERTS_SCHEMA,
     ANOMALIES,
-    ANOMALIES_SCHEMA,
     CLEARED,
     DEVICE_ID,
     EVENT_TIME,
@@ -59,6 +58,7 @@ from iotmon.schema import (
     SEQ,
     STREAM_CLOCK,
 )
+from streaming.scoring import ensure_anomalies_table
 from streaming.sources import delta_stream, ensure_clock_table
 
 SCORES = "scores"
@@ -383,18 +383,6 @@ def ensure_alerts_table(spark: SparkSession, settings: Settings) -> None:
         settings.table_path(ALERTS),
         ALERTS_SCHEMA,
         "One row per anomaly incident of a device, updated in place from open to cleared (event time).",
-    )
-
-
-def ensure_anomalies_table(spark: SparkSession, settings: Settings) -> None:
-    """Create the scorer's output if it is missing, so alerts can start before the scorer's first batch.
-
-    A no-op when the table exists (whoever creates it first sets its comment and properties)."""
-    create_table(
-        spark,
-        settings.table_path(ANOMALIES),
-        ANOMALIES_SCHEMA,
-        "One row per scored silver reading: anomaly score, threshold and verdict of a registered model.",
     )
 
 

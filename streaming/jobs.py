@@ -43,7 +43,9 @@ from iotmon.schema import (
     SITE_WINDOWS,
     STREAM_CLOCK,
 )
+from streaming.alerts import ALERTS_QUERY, ensure_alerts_table
 from streaming.device_status import DEVICE_STATUS_QUERY, ensure_device_status_tables
+from streaming.scoring import SCORING_QUERY, ensure_anomalies_table
 from streaming.silver import (
     READING_KEY,
     LatenessRules,
@@ -86,6 +88,8 @@ def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
     create_table(spark, settings.table_path(LIVE_WINDOWS), live, "Per-device tumbling windows, updated in place.")
     ensure_clock_table(spark, settings)
     ensure_device_status_tables(spark, settings)
+    ensure_anomalies_table(spark, settings)
+    ensure_alerts_table(spark, settings)
 
 
 class _TransactionId:
@@ -249,6 +253,8 @@ ANALYTICS_QUERIES: tuple[QuerySpec, ...] = (
     QuerySpec(DEVICE_WINDOWS, start_final_windows),
     QuerySpec(LIVE_WINDOWS, start_live_windows),
     DEVICE_STATUS_QUERY,
+    SCORING_QUERY,
+    ALERTS_QUERY,
 )
 
 

@@ -1,0 +1,178 @@
+"""The streaming scorer: every silver reading scored by the champion model, into ``anomalies``, exactly once.
+
+Each micro-batch of new silver readings is featurised with ``ml.features`` exactly as the trainer
+featurises the archive: the batch's devices' silver rows in the feature lookback before the batch's
+first reading are read back and the same window functions run over them, so a reading gets the features
+it would get in training (no training/serving skew), then the model's own ``anomaly_scores``.
+
+The model is resolved per micro-batch: the ``champion`` alias, read at every batch, so a promotion takes
+effect at the next trigger without a restart. The version a batch used is *pinned* in the checkpoint
+(``<checkpoint>/model-pins/<batch id>``) before anything is written; a batch replayed after a crash reads
+its pin and scores with the same version, and the write is tagged with the query's transaction id, so
+Delta keeps one copy. A champion that cannot be loaded is skipped for the last good version; with no
+usable model at all the query does not run (``scoring_ready``), and the archive and analytics go on. When
+a model appears the scorer starts from its checkpoint, so every reading that arrived meanwhile is scored.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+
+from pyspark.ml import PipelineModel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
+
+from iotmon.config import Settings
+from iotmon.lake import append_once, checkpoint_app_id, create_table, read_text, write_text
+from iotmon.queries import QuerySpec, Trigger
+from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, SILVER
+from ml import registry
+from ml.features import FeatureSpec, reading_features
+from ml.model import anomaly_scores
+from streaming.silver import READING_KEY
+
+KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset")
+"""Silver columns carried into ``anomalies`` besides the reading key: where it is and where it came from."""
+PINS_KEPT = 200
+"""Pins older than this many batches are deleted (Spark itself keeps 100 batches of offsets)."""
+
+
+class ModelUnavailable(RuntimeError):
+    """No registered model can be served yet; the scorer waits for one."""
+
+
+def ensure_anomalies_table(spark: SparkSession, settings: Settings) -> None:
+    create_table(
+        spark,
+        settings.table_path(ANOMALIES),
+        ANOMALIES_SCHEMA,
+        "One row per scored silver reading: anomaly score, threshold and verdict of a registered model.",
+    )
+
+
+def scored_readings(batch: DataFrame, context: DataFrame, pipeline: PipelineModel, ref: registry.ModelRef) -> DataFrame:
+    """Rows of ``ANOMALIES_SCHEMA`` for the readings of ``batch``; ``context`` is silver around them (the
+    batch's devices over the lookback before the batch, the batch included)."""
+    featured = reading_features(context, FeatureSpec(ref.feature_history_s))
+    mine = featured.join(batch.select(*READING_KEY), list(READING_KEY), "left_semi")
+    scores = anomaly_scores(mine, pipeline, keep=KEPT_COLUMNS)
+    columns = {
+        "threshold": F.lit(ref.threshold),
+        "is_anomaly": F.col("score") > F.lit(ref.threshold),
+        "model_name": F.lit(ref.name),
+        "model_version": F.lit(ref.version),
+    }
+    return scores.withColumns(columns).select(*[F.col(f.name).cast(f.dataType) for f in ANOMALIES_SCHEMA.fields])
+
+
+def history_of(silver: DataFrame, batch: DataFrame, lookback_s: float) -> DataFrame | None:
+    """The silver rows a batch's features need: its devices, from ``lookback_s`` before its first reading."""
+    bounds = batch.agg(F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
+    if bounds is None or bounds[0] is None:
+        return None
+    start = F.lit(bounds[0]) - F.expr(f"INTERVAL {int(lookback_s * 1000)} MILLISECONDS")
+    in_range = silver.where(F.col(EVENT_TIME).between(start, F.lit(bounds[1])))
+    return in_range.join(F.broadcast(batch.select(DEVICE_ID).distinct()), DEVICE_ID, "left_semi")
+
+
+class ModelCache:
+    """Loaded pipelines by version, and the last version that loaded: what a broken champion falls back to."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[int, tuple[registry.ModelRef, PipelineModel]] = {}
+        self._lock = threading.Lock()
+        self.last_good: int | None = None
+
+    def load(self, settings: Settings, ref: registry.ModelRef) -> PipelineModel:
+        with self._lock:
+            if ref.version not in self._loaded:
+                self._loaded[ref.version] = (ref, registry.load_pipeline(settings, ref))
+            self.last_good = ref.version
+            return self._loaded[ref.version][1]
+
+    def fallback(self) -> tuple[registry.ModelRef, PipelineModel] | None:
+        return self._loaded.get(self.last_good) if self.last_good is not None else None
+
+
+MODELS = ModelCache()
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def serving_model(
+    settings: Settings, pinned: int | None, warn: Callable[[str], None] = _warn
+) -> tuple[registry.ModelRef, PipelineModel]:
+    """The model for a batch: its pinned version when replayed, else the champion (or the last good one)."""
+    if pinned is not None:
+        ref = registry.model_ref(settings, pinned)
+        return ref, MODELS.load(settings, ref)
+    ref = registry.champion(settings)
+    try:
+        if ref is None:
+            raise registry.ModelUnusable(f"no {registry.CHAMPION} alias on {settings.model_name} yet")
+        return ref, MODELS.load(settings, ref)
+    except registry.ModelUnusable as exc:
+        fallback = MODELS.fallback()
+        if fallback is None:
+            raise ModelUnavailable(f"{exc}; train one with `iotmon train`") from exc
+        warn(f"{ANOMALIES}: {exc}; still scoring with v{fallback[0].version}")
+        return fallback
+
+
+def scoring_ready(spark: SparkSession, settings: Settings) -> str | None:
+    """None when a model can be served, else why not (the query waits instead of failing)."""
+    try:
+        serving_model(settings, None, warn=lambda _: None)
+    except (ModelUnavailable, registry.ModelUnusable) as exc:
+        return str(exc)
+    return None
+
+
+def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
+    checkpoint = settings.checkpoint_path(ANOMALIES)
+    path = settings.table_path(ANOMALIES)
+    app_id: str | None = None
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        nonlocal app_id
+        spark = batch.sparkSession
+        if app_id is None:  # the checkpoint's metadata exists only once the query has started
+            app_id = checkpoint_app_id(spark, checkpoint)
+        pin = f"{checkpoint}/model-pins/{batch_id}"
+        pinned = read_text(spark, pin)
+        ref, pipeline = serving_model(settings, int(pinned) if pinned else None)
+        silver = spark.read.format("delta").load(settings.table_path(SILVER))
+        batch.persist()
+        try:
+            context = history_of(silver, batch, FeatureSpec(ref.feature_history_s).lookback_s)
+            if context is None:
+                return
+            if not pinned:
+                write_text(spark, pin, str(ref.version))
+                write_text(spark, f"{checkpoint}/model-pins/{batch_id - PINS_KEPT}", None)
+            append_once(scored_readings(batch, context, pipeline, ref), path, app_id, batch_id)
+        finally:
+            batch.unpersist()
+
+    return write
+
+
+def start_scoring(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    ensure_anomalies_table(spark, settings)
+    checkpoint = settings.checkpoint_path(ANOMALIES)
+    silver = spark.readStream.format("delta").load(settings.table_path(SILVER))
+    return (
+        silver.writeStream.queryName(ANOMALIES)
+        .foreachBatch(write_scores_batch(settings))
+        .option("checkpointLocation", checkpoint)
+        .trigger(**trigger)
+        .start()
+    )
+
+
+SCORING_QUERY = QuerySpec(ANOMALIES, start_scoring, ready=scoring_ready)

@@ -1,0 +1,132 @@
+"""The anomaly loop on the real broker, Spark, Delta and a local MLflow: train, gate, score, hot-swap."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
+from iotmon.config import Settings
+from iotmon.queries import run_until_idle
+from iotmon.schema import ANOMALIES, SILVER
+from ml import registry
+from ml.model import ModelParams
+from ml.train import TrainOptions, train
+from simulators.options import SimulationOptions
+from simulators.publish import run_simulation
+from streaming.jobs import ensure_analytics_tables
+from streaming.scoring import SCORING_QUERY, start_scoring
+from streaming.silver import READING_KEY
+from tests.support import wait_for
+
+pytestmark = pytest.mark.integration
+
+START = dt.datetime(2026, 11, 21, 6, 0, 0, tzinfo=dt.UTC)
+
+
+def _simulate(settings: Settings, truth: Path, start: dt.datetime, duration: float) -> None:
+    """The same seed every time: a later run extends the fleet's history instead of replacing its registry."""
+    options = SimulationOptions(
+        devices=60, seed=21, duration=duration, interval=1.0, start=start, truth_path=truth, progress=False
+    )
+    assert run_simulation(settings, options).failed == 0
+
+
+def _archive_to_silver(spark: SparkSession, settings: Settings) -> None:
+    from streaming.jobs import ANALYTICS_QUERIES
+
+    ensure_archive_tables(spark, settings)
+    ensure_analytics_tables(spark, settings)
+    silver = [spec for spec in ANALYTICS_QUERIES if spec.name == SILVER]
+    run_until_idle(spark, settings, (*ARCHIVE_QUERIES, *silver))
+
+
+def _keys(spark: SparkSession, settings: Settings, table: str):
+    return spark.read.format("delta").load(settings.table_path(table)).select(*READING_KEY)
+
+
+@pytest.fixture(scope="module")
+def shared_archive(
+    kafka: Settings, spark: SparkSession, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Settings, Path]:
+    """One simulated archive for the module (the later test extends it); each test has an MLflow of its own."""
+    root = tmp_path_factory.mktemp("ml-archive")
+    settings = dataclasses.replace(
+        kafka, topic="ml-archive", lake=str(root / "lake"), checkpoints=str(root / "checkpoints"), home=root
+    )
+    truth = root / "truth-a.parquet"
+    _simulate(settings, truth, START, duration=900)
+    _archive_to_silver(spark, settings)
+    return settings, truth
+
+
+@pytest.fixture
+def archive(shared_archive: tuple[Settings, Path], tmp_path: Path) -> tuple[Settings, Path]:
+    settings, truth = shared_archive
+    return dataclasses.replace(settings, home=tmp_path), truth
+
+
+def test_trainer_registers_promotes_and_keeps_the_champion_against_a_worse_challenger(archive, spark) -> None:
+    settings, truth = archive
+    assert registry.champion(settings) is None
+    assert SCORING_QUERY.waiting_for(spark, settings) is not None  # no model: the scorer waits
+
+    first = train(spark, settings, TrainOptions(truth=(truth,)))
+    assert (first.version, first.promoted) == (1, True)
+    assert first.metrics["f1"] > 0.6, first.report()
+    assert registry.champion(settings).version == 1
+    run = registry.tracking(settings).get_run(first.run_id)
+    silver_version = spark.sql(f"DESCRIBE HISTORY delta.`{settings.table_path(SILVER)}`").first()["version"]
+    assert run.data.params["silver_version"] == str(silver_version)
+    assert run.data.params["data_start"] == first.data_start.isoformat()
+    assert float(registry.champion(settings).threshold) == pytest.approx(first.threshold)
+
+    # A challenger that flags a third of all readings: registered, compared on the same holdout, refused.
+    worse = train(spark, settings, TrainOptions(params=ModelParams(contamination=0.3), truth=(truth,)))
+    assert worse.version == 2 and not worse.promoted
+    assert worse.champion_metrics is not None
+    assert worse.metrics["f1"] < worse.champion_metrics["f1"] == pytest.approx(first.metrics["f1"])
+    assert registry.champion(settings).version == 1
+    assert registry.tracking(settings).get_run(worse.run_id).data.tags["promoted"] == "False"
+    assert SCORING_QUERY.waiting_for(spark, settings) is None
+
+
+def test_scorer_scores_every_reading_and_follows_a_promotion_without_restart(archive, spark) -> None:
+    settings, truth = archive
+    assert train(spark, settings, TrainOptions(truth=(truth,))).version == 1
+    query = start_scoring(spark, settings, {"processingTime": "1 second"})
+    try:
+        silver_rows = _keys(spark, settings, SILVER).count()
+        wait_for(lambda: _keys(spark, settings, ANOMALIES).count() >= silver_rows, 240, "first scores")
+        first_batches = len(query.recentProgress)
+
+        # A data scientist promotes a new version while the scorer runs; then new readings arrive.
+        assert train(spark, settings, TrainOptions(promote=True)).version == 2
+        _simulate(settings, settings.home / "truth-b.parquet", START + dt.timedelta(seconds=900), duration=120)
+        _archive_to_silver(spark, settings)
+        silver_rows = _keys(spark, settings, SILVER).count()
+        wait_for(lambda: _keys(spark, settings, ANOMALIES).count() >= silver_rows, 240, "scores of the new readings")
+        assert query.isActive and len(query.recentProgress) > first_batches
+    finally:
+        query.stop()
+
+    anomalies = spark.read.format("delta").load(settings.table_path(ANOMALIES))
+    # Every silver reading scored exactly once.
+    assert anomalies.count() == silver_rows
+    assert anomalies.select(*READING_KEY).distinct().count() == silver_rows
+    assert _keys(spark, settings, SILVER).exceptAll(anomalies.select(*READING_KEY)).isEmpty()
+    # The first backlog under v1, what came after the promotion under v2.
+    cut = F.lit(START + dt.timedelta(seconds=900))
+    versions = {
+        (row["new"], row["model_version"])
+        for row in anomalies.select((F.col("event_time") >= cut).alias("new"), "model_version").distinct().collect()
+    }
+    assert versions == {(False, 1), (True, 2)}
+    flagged = anomalies.where("is_anomaly").count()
+    assert 0 < flagged < silver_rows * 0.05
+    assert anomalies.where("is_anomaly != (score > threshold)").isEmpty()

@@ -1,0 +1,104 @@
+"""The shared anomaly features on tiny frames, and the property the scorer relies on: a reading's features
+computed from its lookback alone equal those computed from the whole archive."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from iotmon.schema import METRIC_NAMES
+from ml.features import MIN_HISTORY, FeatureSpec, metric_rows, reading_features
+from tests.readings import at, silver_frame, silver_row
+
+SPEC = FeatureSpec(history_s=20.0)
+
+
+def _series(device: str, temperatures: list[float], every_s: float = 1.0, start_s: float = 0.0) -> list[dict]:
+    """A device reporting every ``every_s``; temperature as given, other metrics gently noisy."""
+    rng = np.random.default_rng(sum(map(ord, device)))
+    return [
+        silver_row(
+            device,
+            i + 1,
+            start_s + i * every_s,
+            temperature=float(t),
+            humidity=round(float(40 + rng.normal(0, 0.5)), 2),
+            vibration=round(float(2 + rng.normal(0, 0.1)), 2),
+            pressure=round(float(101 + rng.normal(0, 0.2)), 2),
+            battery=round(float(90 + rng.normal(0, 0.05)), 2),
+        )
+        for i, t in enumerate(temperatures)
+    ]
+
+
+def _noisy(n: int, seed: int = 1) -> list[float]:
+    return [round(float(20 + x), 2) for x in np.random.default_rng(seed).normal(0, 0.3, n)]
+
+
+def _temperature_features(spark: SparkSession, rows: list[dict]) -> dict[int, dict[str, float]]:
+    featured = metric_rows(reading_features(silver_frame(spark, rows), SPEC)).where(F.col("metric") == "temperature")
+    return {r["seq"]: r.asDict() for r in featured.collect()}
+
+
+def test_a_spike_stands_out_in_level_and_step(spark: SparkSession) -> None:
+    temperatures = _noisy(30)
+    temperatures[25] = 35.0
+    features = _temperature_features(spark, _series("dev-1", temperatures))
+    spike = features.pop(26)
+    assert spike["level"] > 20 and spike["step"] > 20
+    # Every other reading, the ones after the spike too (the spike was suspect, so it is left out of
+    # their history and of their step), is far below it.
+    assert max(abs(f[name]) for f in features.values() for name in ("level", "step")) < spike["level"] / 3
+
+
+def test_a_stuck_sensor_repeats_itself(spark: SparkSession) -> None:
+    temperatures = _noisy(30)
+    temperatures[20:30] = [temperatures[20]] * 10
+    features = _temperature_features(spark, _series("dev-1", temperatures))
+    assert [features[seq]["repeats"] for seq in (21, 22, 23, 24, 26, 30)] == [0, 1, 2, 3, 5, 5]
+    assert all(features[seq]["repeats"] == 0 for seq in range(MIN_HISTORY + 2, 20))
+
+
+def test_a_first_readings_and_a_return_from_silence_have_no_features_yet(spark: SparkSession) -> None:
+    rows = _series("dev-1", _noisy(10)) + _series("dev-1", _noisy(10, seed=2), start_s=100.0)
+    for i, row in enumerate(rows):
+        row["seq"] = i + 1
+    features = _temperature_features(spark, rows)
+    quiet = {name: 0.0 for name in ("level", "step", "repeats", "spread")}
+    for seq in (1, MIN_HISTORY, 11, 10 + MIN_HISTORY):  # too little history before these
+        assert {k: features[seq][k] for k in quiet} == quiet
+    assert features[MIN_HISTORY + 2]["spread"] > 0
+
+
+def test_features_from_the_lookback_alone_equal_those_from_the_whole_archive(spark: SparkSession) -> None:
+    """What makes the scorer's features the trainer's: the scorer only ever sees the lookback."""
+    temperatures = _noisy(120)
+    temperatures[60:70] = [temperatures[60]] * 10
+    temperatures[90] = 40.0
+    rows = _series("dev-1", temperatures, every_s=0.7) + _series("dev-2", _noisy(150, seed=3), every_s=0.5)
+    archive = silver_frame(spark, rows)
+    batch_start, batch_end = at(55), at(70)
+    lookback = [r for r in rows if at(55 - SPEC.lookback_s) <= r["event_time"] <= batch_end]
+    whole = _features_between(reading_features(archive, SPEC), batch_start, batch_end)
+    scorer = _features_between(reading_features(silver_frame(spark, lookback), SPEC), batch_start, batch_end)
+    assert len(whole) > 40
+    assert scorer.keys() == whole.keys()
+    for key, expected in whole.items():
+        for metric in METRIC_NAMES:
+            for name, value in expected[metric].items():
+                assert math.isclose(scorer[key][metric][name], value, rel_tol=1e-9, abs_tol=1e-12), (key, metric, name)
+
+
+def _features_between(featured: DataFrame, start, end) -> dict:
+    rows = featured.where(F.col("event_time").between(start, end)).collect()
+    return {(r["device_id"], r["seq"]): {m: r[f"f_{m}"].asDict() for m in METRIC_NAMES} for r in rows}
+
+
+@pytest.mark.parametrize("history", [0.0, -5.0])
+def test_feature_spec_needs_a_positive_history(history: float) -> None:
+    with pytest.raises(ValueError, match="history"):
+        FeatureSpec(history_s=history)
