@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from simulators.options import SimulationOptions
 
 EXIT_MISMATCH = 1
+TRAIN_RETRY_SECONDS = 30.0
+TRAINER_STOP_SECONDS = 120.0
+"""``iotmon train --every``: how soon to look again when the archive is still too small to train on."""
 EXIT_ERROR = 2
 
 
@@ -237,11 +240,16 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     from ml.model import ModelParams
     from ml.train import TrainingError, TrainOptions, train
 
-    truth = _truth_files(settings, args.truth, not args.no_truth)
+    def truth() -> tuple[Path, ...]:
+        from simulators.truth import available_truth
+
+        found = () if args.no_truth else available_truth(settings.truth_dir)
+        return (*_truth_files(settings, args.truth, False), *found)
+
     options = TrainOptions(
         params=ModelParams(clusters=args.clusters, contamination=args.contamination or settings.anomaly_contamination),
         holdout=args.holdout,
-        truth=tuple(truth),
+        truth=truth(),
         promote=args.promote,
     )
     spark = spark_session(settings, "iotmon-train")
@@ -252,16 +260,18 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
             raise CommandError(str(exc)) from None
         return 0
     stop = stop_on_signals()
-    every = interval_seconds(args.every)
     while True:
-        started = time.monotonic()
+        started, wait = time.monotonic(), args.every
         try:
             print(train(spark, settings, options).report(), flush=True)
+        except TrainingError as exc:  # not enough data yet: look again soon
+            print(f"iotmon train: {exc}; trying again shortly", file=sys.stderr, flush=True)
+            wait = min(args.every, TRAIN_RETRY_SECONDS)
         except Exception as exc:  # keep retraining; the champion stays whatever it was
             print(f"iotmon train: run failed, champion unchanged: {exc}", file=sys.stderr, flush=True)
-        if stop.wait(max(0.0, every - (time.monotonic() - started))):
+        if stop.wait(max(0.0, wait - (time.monotonic() - started))):
             return 0
-        options = replace(options, truth=tuple(_truth_files(settings, args.truth, not args.no_truth)))
+        options = replace(options, truth=truth())  # a running simulation has published more
 
 
 # --- sql -------------------------------------------------------------------------------------------------
@@ -356,7 +366,8 @@ def cmd_reset(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
-    """Broker, a real-time fleet and the archive stream; on exit, drain, reconcile, and stop what it started."""
+    """Broker, a real-time fleet, the stream and a periodic trainer; on exit, drain, reconcile, and stop what it
+    started."""
     from iotmon import broker
 
     stop = stop_on_signals()
@@ -371,6 +382,9 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         ]
         simulator = subprocess.Popen(simulator_cmd)
         print(f"simulator: {args.devices} devices at {args.rate:g} events/s (pid {simulator.pid}); truth -> {truth}")
+        trainer_cmd = [sys.executable, "-m", "iotmon.cli", "train", "--every", args.retrain_every]
+        trainer = subprocess.Popen(trainer_cmd)
+        print(f"trainer: retrains every {args.retrain_every} once silver has enough history (pid {trainer.pid})")
         if args.duration:
             # Let the last readings reach the lake before the stream is stopped.
             grace = interval_seconds(settings.trigger_interval) * 2
@@ -380,9 +394,15 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         try:
             run_stream(settings, stop)
         finally:
-            if simulator.poll() is None:
-                simulator.send_signal(signal.SIGINT)
+            for child in (simulator, trainer):
+                if child.poll() is None:
+                    child.send_signal(signal.SIGINT)
             simulator.wait()
+            try:  # a training run in progress finishes (its champion decision is atomic) unless it takes too long
+                trainer.wait(TRAINER_STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                trainer.kill()
+                trainer.wait()
         print("draining what is left in Kafka, then reconciling ...", flush=True)
         run_stream(settings, None)
         return cmd_verify(settings, argparse.Namespace(truth=[truth] if truth.exists() else [], all_truth=False))
@@ -487,6 +507,14 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress line")
 
 
+def _seconds(text: str) -> float:
+    """An interval argument such as '10 minutes', in seconds."""
+    try:
+        return interval_seconds(text)
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected '<number> seconds|minutes|hours', not {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iotmon",
@@ -517,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ml.model import ModelParams
 
     trainer = command("train", cmd_train, "train the anomaly model on silver, log it to MLflow, promote if not worse")
-    trainer.add_argument("--every", help="retrain periodically, e.g. '10 minutes' (default: once)")
+    trainer.add_argument("--every", type=_seconds, help="retrain periodically, e.g. '10 minutes' (default: once)")
     trainer.add_argument(
         "--clusters", type=int, default=ModelParams.clusters, help=f"KMeans clusters (default {ModelParams.clusters})"
     )
@@ -538,10 +566,13 @@ def build_parser() -> argparse.ArgumentParser:
     command("config", cmd_config, "list the IOTMON_* settings with their defaults")
     reset = command("reset", cmd_reset, "delete the lake, checkpoints and truth files (they go together)")
     reset.add_argument("--kafka", action="store_true", help="also delete the embedded broker's data")
-    demo = command("demo", cmd_demo, "broker + real-time fleet + streaming archive; Ctrl-C drains and reconciles")
+    demo = command(
+        "demo", cmd_demo, "broker + real-time fleet + stream + periodic trainer; Ctrl-C drains and reconciles"
+    )
     demo.add_argument("--devices", type=int, default=200)
     demo.add_argument("--rate", type=float, default=500.0, help="events/s")
     demo.add_argument("--duration", type=float, help="seconds to run (default: until Ctrl-C)")
+    demo.add_argument("--retrain-every", default="5 minutes", help="how often the trainer runs (default 5 minutes)")
     return parser
 
 

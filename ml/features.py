@@ -1,24 +1,27 @@
 """Anomaly features: one set of DataFrame functions for the batch trainer and the streaming scorer.
 
-Every feature of a reading is a function of that reading and of its device's readings in the
-``history`` seconds before it (``IOTMON_FEATURE_HISTORY``) and nothing else. That bound is what lets
-the two paths agree exactly: the trainer applies ``reading_features`` to the whole archive, the scorer
-to a micro-batch plus the silver rows of the same devices in the ``history`` before the batch's first
-reading; a reading's frame holds the same rows either way, so its features are the same.
+A reading's features depend on its device's readings in the ``history`` before it
+(``IOTMON_FEATURE_HISTORY``), and on whether *those* readings looked suspect against their own history:
+so on at most ``lookback = 2 x history`` of the device's past, and on nothing else. That bound is what
+lets the two paths agree exactly: the trainer applies ``reading_features`` to the whole archive, the
+scorer to a micro-batch plus the silver rows of the same devices in the lookback before the batch's
+first reading; each reading sees the same rows either way, so its features are the same.
 
-Features are per metric and scale-free, each metric measured against its device's own recent noise, so
-one model serves every metric of every device type (per-device normalisation rather than per-type):
+Features are per metric and scale-free, each metric measured against its device's own recent noise
+(estimated from reading-to-reading changes, which a slow trend does not inflate), so one model serves
+every metric of every device type:
 
-* ``level``: distance of the value from the mean of the history, in history standard deviations
-  (spikes, drifts, level shifts);
-* ``step``: the jump from the latest unsuspected reading, in the same unit (spikes, the edges of episodes);
+* ``level``: distance of the value from the history's mean, in noise units (spikes, drifts, shifts);
+* ``step``: the jump from the latest unsuspected reading, in the same unit (spikes, episode edges);
 * ``repeats``: how many of the previous readings (up to ``REPEAT_DEPTH``) repeat the value exactly: a
   live sensor's noise does not repeat itself, a stuck one does;
-* ``spread``: the standard deviation of the last ``SPREAD_DEPTH`` readings against the history's (noise
-  bursts).
+* ``spread``: the spread of the last ``SPREAD_DEPTH`` readings, in noise units (noise bursts).
 
-The model sees one row per (reading, metric) with the four features, so it learns what a normal metric
-looks like; a reading's score is its most anomalous metric's.
+The history's mean and noise leave out readings that were *suspect* against a plain history (more than
+``SUSPECT_AT`` noise units off, or repeating): otherwise a drift drags its own baseline along and stays
+invisible, and the readings after any anomaly are measured against a polluted history and look anomalous
+themselves. The model sees one row per (reading, metric), so it learns what a normal metric looks like;
+a reading's score is its most anomalous metric's.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.schema import DEVICE_ID, EVENT_TIME, METRIC_NAMES, SEQ
+from iotmon.schema import DEVICE_ID, EVENT_TIME, METRIC_NAMES, ON_TIME, SEQ
 
 FEATURE_COLUMNS: tuple[str, ...] = ("level", "step", "repeats", "spread")
 REPEAT_DEPTH = 5
@@ -42,16 +45,22 @@ MIN_HISTORY = 5
 """Reading-to-reading changes a history needs before its noise estimate is trusted."""
 RESOLUTION = 0.01
 """Smallest difference a reading can show (the simulator sends two decimals); the floor of the noise."""
-_MICROS = "_event_us"
+PREVIOUS_ROWS = 16
+"""Rows looked back through for the previous values: enough for devices reporting up to 16 times within
+the settle time."""
+_MICROS, _ON_TIME = "_event_us", "_on_time"
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
     history_s: float = 60.0
+    settle_s: float = 1.0
+    """Readings of the last ``settle_s`` before a reading, and late ones, are not in its history: an
+    on-time reading older than that had reached Kafka before it, so the scorer always has it too."""
 
     def __post_init__(self) -> None:
-        if not self.history_s > 0:
-            raise ValueError(f"feature history must be positive, not {self.history_s}")
+        if not self.history_s > self.settle_s >= 0:
+            raise ValueError(f"feature history must exceed the settle time, not {self.history_s} / {self.settle_s}")
 
     @property
     def lookback_s(self) -> float:
@@ -60,7 +69,7 @@ class FeatureSpec:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FeatureSpec:
-        return cls(interval_seconds(settings.feature_history))
+        return cls(interval_seconds(settings.feature_history), interval_seconds(settings.late_after))
 
 
 def _previous_column(metric: str, lag: int) -> str:
@@ -68,17 +77,27 @@ def _previous_column(metric: str, lag: int) -> str:
 
 
 def _with_previous(readings: DataFrame, spec: FeatureSpec) -> DataFrame:
-    """Add each metric's previous values, ``_<metric>_<k>`` for k readings back, when within the history
-    (else null: the scorer would not see them either)."""
-    device = Window.partitionBy(DEVICE_ID).orderBy(_MICROS, SEQ)
+    """Add each metric's previous values in the history, ``_<metric>_<k>`` for the k-th latest (null when
+    there is none): the latest on-time readings at least ``settle_s`` and at most ``history_s`` older."""
+    newest_first = Window.partitionBy(DEVICE_ID).orderBy(F.desc(_MICROS), F.desc(SEQ)).rowsBetween(1, PREVIOUS_ROWS)
+    now = F.col(_MICROS)
+    earlier = F.collect_list(F.struct(F.col(_MICROS).alias("us"), F.col(_ON_TIME).alias("ok"), *METRIC_NAMES))
+    candidates = F.filter(
+        earlier.over(newest_first),
+        lambda r: (
+            r["ok"]
+            & (r["us"] <= now - int(spec.settle_s * 1_000_000))
+            & (r["us"] > now - int(spec.history_s * 1_000_000))
+        ),
+    )
     depth = max(REPEAT_DEPTH, SPREAD_DEPTH - 1)
-    limit = int(spec.history_s * 1_000_000)
-    columns = {}
-    for lag in range(1, depth + 1):
-        in_history = (F.col(_MICROS) - F.lag(_MICROS, lag).over(device)) <= limit
-        for metric in METRIC_NAMES:
-            columns[_previous_column(metric, lag)] = F.when(in_history, F.lag(metric, lag).over(device))
-    return readings.withColumns(columns)
+    with_candidates = readings.withColumn("_previous", candidates)
+    columns = {
+        _previous_column(metric, lag): F.try_element_at("_previous", F.lit(lag))[metric]
+        for lag in range(1, depth + 1)
+        for metric in METRIC_NAMES
+    }
+    return with_candidates.withColumns(columns).drop("_previous")
 
 
 def _history_stats(value: Column, jump: Column, history: Window) -> tuple[Column, Column, Column]:
@@ -94,9 +113,9 @@ def _history_stats(value: Column, jump: Column, history: Window) -> tuple[Column
 def _first_pass(metric: str, history: Window) -> dict[str, Column]:
     """Per metric: the jump from the previous reading, the run of exact repeats, and whether the reading
     is suspect against its plain history (far from its mean, a big jump, or repeating itself)."""
-    value, previous = F.col(metric), F.col(_previous_column(metric, 1))
+    value, previous, on_time = F.col(metric), F.col(_previous_column(metric, 1)), F.col(_ON_TIME)
     jump = F.abs(value - previous)
-    mean, noise, known = _history_stats(value, jump, history)
+    mean, noise, known = _history_stats(F.when(on_time, value), F.when(on_time, jump), history)
     # Consecutive exact repeats: the run stops at the first differing (or missing) previous value.
     repeats, run = F.lit(0), F.lit(1)
     for lag in range(1, REPEAT_DEPTH + 1):
@@ -108,17 +127,17 @@ def _first_pass(metric: str, history: Window) -> dict[str, Column]:
     return {
         f"_{metric}_jump": jump,
         f"_{metric}_repeats": repeats.cast("double"),
-        f"_{metric}_suspect": F.coalesce(suspect, F.lit(False)),
+        f"_{metric}_clean": on_time & ~F.coalesce(suspect, F.lit(False)),
     }
 
 
 def _metric_features(metric: str, history: Window) -> Column:
     """The four features against the history's unsuspected readings, so that an anomaly neither hides
     itself (a drift dragging its own baseline) nor haunts the readings after it."""
-    value, suspect = F.col(metric), F.col(f"_{metric}_suspect")
+    value, clean, on_time = F.col(metric), F.col(f"_{metric}_clean"), F.col(_ON_TIME)
     jump = F.col(f"_{metric}_jump")
-    mean, noise, known = _history_stats(F.when(~suspect, value), F.when(~suspect, jump), history)
-    plain_mean, plain_noise, plain_known = _history_stats(value, jump, history)
+    mean, noise, known = _history_stats(F.when(clean, value), F.when(clean, jump), history)
+    plain_mean, plain_noise, plain_known = _history_stats(F.when(on_time, value), F.when(on_time, jump), history)
     # A history made only of suspects (deep inside a long episode) falls back to the plain one.
     mean, noise = F.when(known, mean).otherwise(plain_mean), F.when(known, noise).otherwise(plain_noise)
     recent = F.filter(
@@ -128,10 +147,11 @@ def _metric_features(metric: str, history: Window) -> Column:
     recent_mean = F.aggregate(recent, F.lit(0.0), lambda acc, v: acc + v) / F.size(recent)
     squares = F.aggregate(recent, F.lit(0.0), lambda acc, v: acc + (v - recent_mean) * (v - recent_mean))
     spread = F.sqrt(squares / F.greatest(F.size(recent) - 1, F.lit(1)))
+    # From the latest unsuspected reading, so the return from a spike is not a second spike.
+    last_clean = F.last(F.when(clean, value), ignorenulls=True).over(history)
     features = {
         "level": (value - mean) / noise,
-        # From the latest unsuspected reading, so the return from a spike is not a second spike.
-        "step": (value - F.coalesce(F.last(F.when(~suspect, value), ignorenulls=True).over(history), value)) / noise,
+        "step": (value - F.coalesce(last_clean, value)) / noise,
         "repeats": F.col(f"_{metric}_repeats"),
         "spread": spread / noise,
     }
@@ -147,8 +167,13 @@ def reading_features(readings: DataFrame, spec: FeatureSpec) -> DataFrame:
     ``readings`` must hold, for each reading to be featurised, its device's readings in the
     ``spec.lookback_s`` before it (the scorer adds them; the archive has them).
     """
-    history = Window.partitionBy(DEVICE_ID).orderBy(_MICROS).rangeBetween(-int(spec.history_s * 1_000_000), -1)
-    with_previous = _with_previous(readings.withColumn(_MICROS, F.unix_micros(EVENT_TIME)), spec)
+    history = (
+        Window.partitionBy(DEVICE_ID)
+        .orderBy(_MICROS)
+        .rangeBetween(-int(spec.history_s * 1_000_000), -int(spec.settle_s * 1_000_000))
+    )
+    marked = readings.withColumns({_MICROS: F.unix_micros(EVENT_TIME), _ON_TIME: F.col("lateness") == ON_TIME})
+    with_previous = _with_previous(marked, spec)
     first = with_previous.withColumns({k: v for m in METRIC_NAMES for k, v in _first_pass(m, history).items()})
     features = {f"f_{m}": _metric_features(m, history) for m in METRIC_NAMES}
     helpers = [c for c in first.columns if c not in readings.columns]

@@ -52,6 +52,8 @@ def tracking(settings: Settings):
             settings.mlflow_home.mkdir(parents=True, exist_ok=True)
         # MLflow logs a line per Alembic migration when it creates its SQLite schema; keep startup quiet.
         logging.getLogger("alembic").setLevel(logging.WARNING)
+        # mlflow.spark reports at INFO that a local model is "uploaded" to the local file system.
+        logging.getLogger("mlflow.spark").setLevel(logging.WARNING)
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         mlflow.set_tracking_uri(settings.tracking_uri)
         mlflow.set_registry_uri(settings.tracking_uri)

@@ -29,6 +29,8 @@ from ml.features import FeatureSpec, metric_rows, model_inputs, reading_features
 from ml.model import ModelParams, anomaly_pipeline, anomaly_scores
 
 MIN_READINGS = 1_000
+MIN_SPAN_HISTORIES = 4
+"""Event time silver must span, in feature histories: most training readings then have a full history."""
 
 
 class TrainingError(RuntimeError):
@@ -124,10 +126,14 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
     silver_version, silver = pinned_silver(spark, settings)
     bounds = silver.agg(F.count("*"), F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
     readings, start, end = bounds[0], bounds[1], bounds[2]
-    if readings < MIN_READINGS:
-        raise TrainingError(f"silver v{silver_version} holds {readings:,} readings; training needs {MIN_READINGS:,}")
-    split = start + (end - start) * (1 - options.holdout)
     spec = FeatureSpec.from_settings(settings)
+    needed = MIN_SPAN_HISTORIES * spec.history_s
+    if readings < MIN_READINGS or (end - start).total_seconds() < needed:
+        raise TrainingError(
+            f"silver v{silver_version} holds {readings:,} readings over {(end - start).total_seconds():.0f}s of event "
+            f"time; training needs {MIN_READINGS:,} over {needed:.0f}s ({MIN_SPAN_HISTORIES} feature histories)"
+        )
+    split = start + (end - start) * (1 - options.holdout)
     step("features", f"silver v{silver_version}: {readings:,} readings {start} .. {end}; computing features")
     featured = reading_features(silver, spec).persist()
     training = featured.where(F.col(EVENT_TIME) < F.lit(split))

@@ -298,6 +298,10 @@ def stop_on_interrupt(stop: StopRequest) -> Iterator[None]:
 # Publishing
 
 
+LIVE_TRUTH_EVERY_S = 30.0
+"""How often a real-time run publishes its truth so far, for a trainer evaluating while it runs."""
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -549,7 +553,7 @@ def simulate(
     producer = producer_factory(ledger.on_delivery)
     stop = stop or StopRequest()
     progress = Progress(options.progress, progress_stream)
-    truth = TruthWriter(truth_path)
+    truth = TruthWriter(truth_path, live_every_s=LIVE_TRUTH_EVERY_S if options.realtime else None)
     publisher = Publisher(
         producer,
         ledger,

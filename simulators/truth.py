@@ -9,6 +9,8 @@ complete (a crashed run leaves ``<name>.partial``).
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -94,10 +96,26 @@ def truth_table(
     return pa.Table.from_arrays(columns, schema=TRUTH_SCHEMA)
 
 
-class TruthWriter:
-    """Appends truth tables to a Parquet file in row groups of about ``ROW_GROUP_ROWS``."""
+def live_parts(path: Path) -> Path:
+    """Where a running simulation publishes its truth so far (complete files), beside ``path``."""
+    return path.with_name(path.name + ".live")
 
-    def __init__(self, path: Path, row_group_rows: int = ROW_GROUP_ROWS) -> None:
+
+def available_truth(folder: Path) -> list[Path]:
+    """Every finished truth file in ``folder``, plus the live parts of runs still going."""
+    finished = sorted(folder.glob("*.parquet"))
+    return finished + sorted(folder.glob("*.parquet.live/part-*.parquet"))
+
+
+class TruthWriter:
+    """Appends truth tables to a Parquet file in row groups of about ``ROW_GROUP_ROWS``.
+
+    With ``live_every_s`` (real-time runs, which may go on for hours), the rows are also published every
+    so often as complete Parquet files under ``live_parts(path)``, so the trainer can evaluate against the
+    truth while the run goes on; they are removed when the final file is in place.
+    """
+
+    def __init__(self, path: Path, row_group_rows: int = ROW_GROUP_ROWS, live_every_s: float | None = None) -> None:
         self.path = path
         self.partial = path.with_name(path.name + ".partial")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +124,10 @@ class TruthWriter:
         self._buffered = 0
         self._row_group_rows = row_group_rows
         self.rows = 0
+        self._live_every_s = live_every_s
+        self._live: list[pa.Table] = []
+        self._live_parts = 0
+        self._live_at = time.monotonic()
 
     def write(self, table: pa.Table) -> None:
         self._buffer.append(table)
@@ -113,6 +135,20 @@ class TruthWriter:
         self.rows += table.num_rows
         if self._buffered >= self._row_group_rows:
             self._flush()
+        if self._live_every_s is not None:
+            self._live.append(table)
+            if time.monotonic() - self._live_at >= self._live_every_s:
+                self._publish_live()
+
+    def _publish_live(self) -> None:
+        if self._live:
+            folder = live_parts(self.path)
+            folder.mkdir(exist_ok=True)
+            part = folder / f"part-{self._live_parts:05d}.parquet"
+            pq.write_table(pa.concat_tables(self._live), part.with_suffix(".tmp"), compression="zstd")
+            os.replace(part.with_suffix(".tmp"), part)
+            self._live_parts += 1
+        self._live, self._live_at = [], time.monotonic()
 
     def _flush(self) -> None:
         if self._buffered:
@@ -124,4 +160,5 @@ class TruthWriter:
         self._flush()
         self._writer.close()
         os.replace(self.partial, self.path)
+        shutil.rmtree(live_parts(self.path), ignore_errors=True)
         return self.path

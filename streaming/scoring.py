@@ -79,22 +79,27 @@ def history_of(silver: DataFrame, batch: DataFrame, lookback_s: float) -> DataFr
 
 
 class ModelCache:
-    """Loaded pipelines by version, and the last version that loaded: what a broken champion falls back to."""
+    """Loaded pipelines, and per registered model the last version that loaded: what a broken champion
+    falls back to. Keyed by registry and model name too, so one process can serve several registries."""
 
     def __init__(self) -> None:
-        self._loaded: dict[int, tuple[registry.ModelRef, PipelineModel]] = {}
+        self._loaded: dict[tuple[str, str, int], tuple[registry.ModelRef, PipelineModel]] = {}
+        self._last_good: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
-        self.last_good: int | None = None
 
     def load(self, settings: Settings, ref: registry.ModelRef) -> PipelineModel:
+        key = (settings.tracking_uri, ref.name, ref.version)
         with self._lock:
-            if ref.version not in self._loaded:
-                self._loaded[ref.version] = (ref, registry.load_pipeline(settings, ref))
-            self.last_good = ref.version
-            return self._loaded[ref.version][1]
+            if key not in self._loaded:
+                self._loaded[key] = (ref, registry.load_pipeline(settings, ref))
+            self._last_good[key[:2]] = ref.version
+            return self._loaded[key][1]
 
-    def fallback(self) -> tuple[registry.ModelRef, PipelineModel] | None:
-        return self._loaded.get(self.last_good) if self.last_good is not None else None
+    def fallback(self, settings: Settings) -> tuple[registry.ModelRef, PipelineModel] | None:
+        model = (settings.tracking_uri, settings.model_name)
+        with self._lock:
+            version = self._last_good.get(model)
+            return self._loaded[(*model, version)] if version is not None else None
 
 
 MODELS = ModelCache()
@@ -117,7 +122,7 @@ def serving_model(
             raise registry.ModelUnusable(f"no {registry.CHAMPION} alias on {settings.model_name} yet")
         return ref, MODELS.load(settings, ref)
     except registry.ModelUnusable as exc:
-        fallback = MODELS.fallback()
+        fallback = MODELS.fallback(settings)
         if fallback is None:
             raise ModelUnavailable(f"{exc}; train one with `iotmon train`") from exc
         warn(f"{ANOMALIES}: {exc}; still scoring with v{fallback[0].version}")

@@ -6,7 +6,10 @@ This is the exactly-once check of the analytics stage, used by ``iotmon verify``
   batch classification gives (and, with ground truth, the simulator's own lateness);
 * every final table equals its batch recomputation from silver for everything the stream has finalised
   (windows and sessions the windows query's committed watermark has passed), with no key twice;
-* the live table equals the batch tumbling windows for every window the stream has seen.
+* the live table equals the batch tumbling windows for every window the stream has seen;
+* ``anomalies`` holds each silver reading once, scored as the model version it names scores it in a batch
+  job over all of silver (no training/serving skew, no duplicate), and every reading is scored once a
+  champion exists; ``alerts`` holds each incident once.
 
 Float statistics are compared with a relative tolerance: summation order differs between a stream and a
 batch job.
@@ -25,13 +28,17 @@ from pyspark.sql import functions as F
 
 from iotmon.config import Settings
 from iotmon.schema import (
+    ALERTS,
+    ANOMALIES,
     BRONZE,
     DEVICE_WINDOWS,
     DEVICES,
     LIVE_WINDOWS,
     SILVER,
 )
+from ml import registry
 from streaming.jobs import final_through
+from streaming.scoring import scored_readings
 from streaming.silver import READING_KEY, LatenessRules, lateness, silver_from_bronze
 from streaming.windows import END_COLUMN, FINAL_TABLES, STAT_COLUMNS, WindowSpec, tumbling_device_windows
 
@@ -49,6 +56,7 @@ class AnalyticsCheck:
     silver_rows: int = 0
     watermark: datetime | None = None
     rows_checked: dict[str, int] = field(default_factory=dict)
+    alerts: int = 0
     problems: list[str] = field(default_factory=list)
 
     def report(self) -> str:
@@ -57,6 +65,7 @@ class AnalyticsCheck:
         lines += [
             f"{table:<20} {count:,} rows equal their batch recomputation" for table, count in self.rows_checked.items()
         ]
+        lines.append(f"{ALERTS:<20} {self.alerts:,} incidents")
         lines += [f"MISMATCH     {problem}" for problem in self.problems]
         lines.append("analytics    OK" if not self.problems else f"analytics    {len(self.problems)} problem(s)")
         return "\n".join(lines)
@@ -91,7 +100,12 @@ def _batch_files(spark: SparkSession, folder: str) -> list[int]:
 
 
 def compare_tables(
-    expected: DataFrame, actual: DataFrame, keys: tuple[str, ...], name: str, optional: Column | None = None
+    expected: DataFrame,
+    actual: DataFrame,
+    keys: tuple[str, ...],
+    name: str,
+    optional: Column | None = None,
+    close: tuple[str, ...] = STAT_COLUMNS,
 ) -> tuple[int, list[str]]:
     """Rows of ``actual`` and ``expected`` matched by ``keys``; problems when either side differs. Expected
     rows matching ``optional`` (a condition on the expected side, ``e.<column>``) may be absent, but must be
@@ -108,9 +122,9 @@ def compare_tables(
     differs = F.lit(False)
     for column in values:
         e, a = F.col(f"e.{column}"), F.col(f"a.{column}")
-        if column in STAT_COLUMNS and column != "readings":
-            close = F.abs(e - a) <= F.greatest(F.abs(e), F.abs(a)) * RELATIVE_TOLERANCE + 1e-12
-            differs = differs | ~F.coalesce(close, e.isNull() & a.isNull())
+        if column in close and column != "readings":
+            near = F.abs(e - a) <= F.greatest(F.abs(e), F.abs(a)) * RELATIVE_TOLERANCE + 1e-12
+            differs = differs | ~F.coalesce(near, e.isNull() & a.isNull())
         else:
             differs = differs | ~e.eqNullSafe(a)
     different = joined.where(F.col(f"e.{values[0]}").isNotNull() & F.col(f"a.{values[0]}").isNotNull() & differs)
@@ -166,7 +180,36 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     )
     check.rows_checked[LIVE_WINDOWS] = count
     check.problems += problems
+    count, problems = _anomalies_against_silver(spark, settings, silver)
+    check.rows_checked[ANOMALIES] = count
+    check.problems += problems
+    alerts = read(settings.table_path(ALERTS))
+    repeated = alerts.groupBy("alert_id").count().where("count > 1").count()
+    check.alerts = alerts.count()
+    if repeated:
+        check.problems.append(f"{ALERTS}: {repeated} incidents written more than once")
     return check
+
+
+def _anomalies_against_silver(spark: SparkSession, settings: Settings, silver: DataFrame) -> tuple[int, list[str]]:
+    anomalies = spark.read.format("delta").load(settings.table_path(ANOMALIES))
+    versions = [row[0] for row in anomalies.select("model_version").distinct().collect()]
+    if not versions and registry.champion(settings) is None:
+        return 0, []  # no model yet: nothing could be scored
+    expected = None
+    for version in versions:
+        ref = registry.model_ref(settings, version)
+        scored = scored_readings(
+            anomalies.where(F.col("model_version") == version), silver, registry.load_pipeline(settings, ref), ref
+        )
+        expected = scored if expected is None else expected.unionByName(scored)
+    count, problems = 0, []
+    if expected is not None:
+        count, problems = compare_tables(expected, anomalies, READING_KEY, ANOMALIES, close=("score",))
+    unscored = silver.select(*READING_KEY).exceptAll(anomalies.select(*READING_KEY)).count()
+    if unscored:
+        problems.append(f"{ANOMALIES}: {unscored} silver readings not scored (was the scorer drained?)")
+    return count, problems
 
 
 def _silver_against_truth(spark: SparkSession, silver: DataFrame, truth: list[Path], rules: LatenessRules) -> list[str]:

@@ -60,7 +60,10 @@ def _reconciles_exactly(settings: Settings, *truth: Path) -> str:
 
 def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: Path, spark) -> None:
     # Small batches, so every query is still busy when it is killed.
-    settings = dataclasses.replace(isolated, max_offsets_per_trigger=1_500, trigger_interval="1 seconds")
+    # A short feature history lets the trainer work on the little silver there is by the sixth run.
+    settings = dataclasses.replace(
+        isolated, max_offsets_per_trigger=1_500, trigger_interval="1 seconds", feature_history="5 seconds"
+    )
     first, second = tmp_path / "first.parquet", tmp_path / "second.parquet"
     _simulate(settings, first, events=15_000, seed=3)
     log = tmp_path / "stream.log"

@@ -19,8 +19,9 @@ from ml.model import ModelParams
 from ml.train import TrainOptions, train
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
+from streaming import scoring
 from streaming.jobs import ensure_analytics_tables
-from streaming.scoring import SCORING_QUERY, start_scoring
+from streaming.scoring import SCORING_QUERY, serving_model, start_scoring
 from streaming.silver import READING_KEY
 from tests.support import wait_for
 
@@ -71,7 +72,9 @@ def archive(shared_archive: tuple[Settings, Path], tmp_path: Path) -> tuple[Sett
     return dataclasses.replace(settings, home=tmp_path), truth
 
 
-def test_trainer_registers_promotes_and_keeps_the_champion_against_a_worse_challenger(archive, spark) -> None:
+def test_trainer_registers_promotes_and_keeps_the_champion_against_worse_or_broken_ones(
+    archive, spark, monkeypatch
+) -> None:
     settings, truth = archive
     assert registry.champion(settings) is None
     assert SCORING_QUERY.waiting_for(spark, settings) is not None  # no model: the scorer waits
@@ -93,7 +96,23 @@ def test_trainer_registers_promotes_and_keeps_the_champion_against_a_worse_chall
     assert worse.metrics["f1"] < worse.champion_metrics["f1"] == pytest.approx(first.metrics["f1"])
     assert registry.champion(settings).version == 1
     assert registry.tracking(settings).get_run(worse.run_id).data.tags["promoted"] == "False"
-    assert SCORING_QUERY.waiting_for(spark, settings) is None
+    assert SCORING_QUERY.waiting_for(spark, settings) is None  # v1 loads: the scorer can run
+
+    # Someone promotes a version whose artifacts are gone: the scorer keeps serving the last good one.
+    client = registry.tracking(settings)
+    broken = client.create_model_version(settings.model_name, source=str(settings.home / "nowhere"))
+    for tag, value in ((registry.THRESHOLD_TAG, "1.0"), (registry.HISTORY_TAG, "60.0")):
+        client.set_model_version_tag(settings.model_name, broken.version, tag, value)
+    registry.promote(settings, int(broken.version))
+
+    warnings: list[str] = []
+    ref, _ = serving_model(settings, None, warn=warnings.append)
+    assert ref.version == 1 and f"v{broken.version} cannot be loaded" in warnings[0]
+    # A process that never loaded a good version waits instead of failing.
+    monkeypatch.setattr(scoring, "MODELS", scoring.ModelCache())
+    with pytest.raises(scoring.ModelUnavailable):
+        serving_model(settings, None)
+    assert "cannot be loaded" in SCORING_QUERY.waiting_for(spark, settings)
 
 
 def test_scorer_scores_every_reading_and_follows_a_promotion_without_restart(archive, spark) -> None:

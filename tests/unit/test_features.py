@@ -102,3 +102,23 @@ def _features_between(featured: DataFrame, start, end) -> dict:
 def test_feature_spec_needs_a_positive_history(history: float) -> None:
     with pytest.raises(ValueError, match="history"):
         FeatureSpec(history_s=history)
+
+
+def test_late_readings_and_the_last_settle_seconds_are_not_history(spark: SparkSession) -> None:
+    """A late reading may reach the scorer after the readings it precedes were scored, so no reading's
+    features may depend on it; neither on readings just before it, which may still be on their way."""
+    temperatures = _noisy(60)
+    rows = _series("dev-1", temperatures, every_s=0.5)
+    late = [dict(row, lateness="late", temperature=row["temperature"] + 7.0) for row in rows[20:40:3]]
+    on_time = [row for row in rows if row not in rows[20:40:3]]
+    with_late = _temperature_features(spark, on_time + late)
+    without = _temperature_features(spark, on_time)
+    assert {seq: with_late[seq] for seq in without} == without
+    # A reading's own value is still judged: the late ones stand out against their (on-time) history.
+    assert min(abs(with_late[row["seq"]]["level"]) for row in late) > 5
+    # Nor on the readings of its last settle_s, which may still be on their way when it is scored.
+    target = rows[50]["seq"]
+    recent = [row for row in on_time if 0 < (rows[50]["event_time"] - row["event_time"]).total_seconds() < 1.0]
+    assert recent
+    trimmed = _temperature_features(spark, [row for row in on_time if row not in recent])
+    assert trimmed[target] == without[target]
