@@ -35,6 +35,8 @@ from pyspark.sql import functions as F
 from iotmon.config import Settings, interval_seconds
 from iotmon.schema import DEVICE_ID, EVENT_TIME, METRIC_NAMES, ON_TIME, SEQ
 
+FEATURE_VERSION = 2
+"""Bumped whenever the features change meaning: a model trained on other features is not served."""
 FEATURE_COLUMNS: tuple[str, ...] = ("level", "step", "repeats", "spread")
 REPEAT_DEPTH = 5
 SPREAD_DEPTH = 5

@@ -1,9 +1,10 @@
 """MLflow at the edge: where runs and models are tracked, and the ``champion`` alias the scorer serves.
 
 A registered version carries what serving needs besides the pipeline, as version tags: the decision
-``threshold`` and the ``feature_history_s`` the features were computed with, so a scorer never pairs a
-model with the wrong threshold or feature window. The alias is moved only after the version exists with
-its tags, so ``champion`` never points at a half-registered model.
+``threshold``, the ``feature_history_s`` and the ``feature_version`` (of ``ml.features``) it was trained
+with, so a scorer never pairs a model with the wrong threshold, feature window or feature code. The alias
+is moved only after the version exists with its tags, so ``champion`` never points at a half-registered
+model.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from pathlib import Path
 from pyspark.ml import PipelineModel
 
 from iotmon.config import Settings
+from ml.features import FEATURE_VERSION
 
 CHAMPION = "champion"
 EXPERIMENT = "iotmon-anomaly"
 THRESHOLD_TAG = "threshold"
 HISTORY_TAG = "feature_history_s"
+FEATURES_TAG = "feature_version"
 MODEL_ARTIFACT = "model"
 
 _setup_lock = threading.Lock()
@@ -78,6 +81,11 @@ def model_ref(settings: Settings, version: int) -> ModelRef:
     tags = found.tags
     if THRESHOLD_TAG not in tags or HISTORY_TAG not in tags:
         raise ModelUnusable(f"{settings.model_name} v{version} has no {THRESHOLD_TAG}/{HISTORY_TAG} tags")
+    if tags.get(FEATURES_TAG) != str(FEATURE_VERSION):
+        raise ModelUnusable(
+            f"{settings.model_name} v{version} was trained on features v{tags.get(FEATURES_TAG, '?')}, "
+            f"this code computes v{FEATURE_VERSION}: retrain with `iotmon train`"
+        )
     return ModelRef(
         settings.model_name, int(found.version), float(tags[THRESHOLD_TAG]), float(tags[HISTORY_TAG]), found.run_id
     )

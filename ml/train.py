@@ -25,7 +25,7 @@ from iotmon.config import Settings
 from iotmon.schema import EVENT_TIME, SILVER
 from ml import registry
 from ml.evaluation import detection_metrics, label_scores, truth_labels
-from ml.features import FeatureSpec, metric_rows, model_inputs, reading_features
+from ml.features import FEATURE_VERSION, FeatureSpec, metric_rows, model_inputs, reading_features
 from ml.model import ModelParams, anomaly_pipeline, anomaly_scores
 
 MIN_READINGS = 1_000
@@ -186,6 +186,7 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
         version = int(info.registered_model_version)
         client.set_model_version_tag(settings.model_name, str(version), registry.THRESHOLD_TAG, repr(threshold))
         client.set_model_version_tag(settings.model_name, str(version), registry.HISTORY_TAG, repr(spec.history_s))
+        client.set_model_version_tag(settings.model_name, str(version), registry.FEATURES_TAG, str(FEATURE_VERSION))
         mlflow.set_tags({"decision": decision, "promoted": str(promoted), "registered_version": str(version)})
         if champion is not None:
             mlflow.set_tag("champion_version", str(champion.version))

@@ -15,6 +15,7 @@ from iotmon.config import Settings
 from iotmon.queries import run_until_idle
 from iotmon.schema import ANOMALIES, SILVER
 from ml import registry
+from ml.features import FEATURE_VERSION
 from ml.model import ModelParams
 from ml.train import TrainOptions, train
 from simulators.options import SimulationOptions
@@ -101,7 +102,8 @@ def test_trainer_registers_promotes_and_keeps_the_champion_against_worse_or_brok
     # Someone promotes a version whose artifacts are gone: the scorer keeps serving the last good one.
     client = registry.tracking(settings)
     broken = client.create_model_version(settings.model_name, source=str(settings.home / "nowhere"))
-    for tag, value in ((registry.THRESHOLD_TAG, "1.0"), (registry.HISTORY_TAG, "60.0")):
+    tags = {registry.THRESHOLD_TAG: "1.0", registry.HISTORY_TAG: "60.0", registry.FEATURES_TAG: str(FEATURE_VERSION)}
+    for tag, value in tags.items():
         client.set_model_version_tag(settings.model_name, broken.version, tag, value)
     registry.promote(settings, int(broken.version))
 
