@@ -28,6 +28,8 @@ from pyspark.sql import functions as F
 
 from iotmon.config import Settings, interval_seconds
 from iotmon.schema import (
+    ALERTS,
+    ANOMALIES,
     BRONZE,
     DEVICE_STATUS,
     DEVICE_STATUS_CHANGES,
@@ -49,8 +51,11 @@ from streaming.silver import (
 )
 from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
 
-RESET_QUERIES: tuple[str, ...] = (SILVER, DEVICE_WINDOWS, LIVE_WINDOWS, DEVICE_STATUS)
+RESET_QUERIES: tuple[str, ...] = (SILVER, DEVICE_WINDOWS, LIVE_WINDOWS, DEVICE_STATUS, ANOMALIES, ALERTS)
 """The queries downstream of bronze, whose checkpoints a backfill replaces."""
+REBUILT_BY_STREAM: tuple[str, ...] = (DEVICE_STATUS, DEVICE_STATUS_CHANGES, ANOMALIES, ALERTS)
+"""Tables a backfill empties for the resumed stream to rebuild from the new silver: state machines, whose
+history only the stream replays faithfully, and the scores (the current champion rescores everything)."""
 
 
 @dataclass
@@ -126,7 +131,7 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
         _set_property(spark, table(DEVICE_WINDOWS), FINAL_THROUGH, result.final_through.isoformat())
     step(LIVE_WINDOWS)
     result.rows[LIVE_WINDOWS] = _replace(tumbling_device_windows(silver, spec), table(LIVE_WINDOWS))
-    for name in (DEVICE_STATUS, DEVICE_STATUS_CHANGES):
+    for name in REBUILT_BY_STREAM:
         if DeltaTable.isDeltaTable(spark, table(name)):
             result.rows[name] = _replace(spark.read.format("delta").load(table(name)).limit(0), table(name))
 

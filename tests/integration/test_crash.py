@@ -62,7 +62,7 @@ def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: 
     # Small batches, so every query is still busy when it is killed.
     # A short feature history lets the trainer work on the little silver there is by the sixth run.
     settings = dataclasses.replace(
-        isolated, max_offsets_per_trigger=1_500, trigger_interval="1 seconds", feature_history="5 seconds"
+        isolated, max_offsets_per_trigger=1_500, trigger_interval="1 seconds", feature_history="2 seconds"
     )
     first, second = tmp_path / "first.parquet", tmp_path / "second.parquet"
     _simulate(settings, first, events=15_000, seed=3)
