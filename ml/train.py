@@ -25,7 +25,7 @@ from iotmon.config import Settings
 from iotmon.schema import EVENT_TIME, SILVER
 from ml import registry
 from ml.evaluation import detection_metrics, label_scores, truth_labels
-from ml.features import FEATURE_VERSION, FeatureSpec, metric_rows, model_inputs, reading_features
+from ml.features import FEATURE_VERSION, MIN_HISTORY, FeatureSpec, metric_rows, model_inputs, reading_features
 from ml.model import ModelParams, anomaly_pipeline, anomaly_scores
 
 MIN_READINGS = 1_000
@@ -145,6 +145,11 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
     step("threshold", "choosing the threshold")
     train_scores = anomaly_scores(training, pipeline)
     threshold = train_scores.approxQuantile("score", [1.0 - options.params.contamination], 0.0001)[0]
+    if threshold <= 0.0:
+        raise TrainingError(
+            f"the training readings barely have features: a device needs {MIN_HISTORY + 1} readings within "
+            f"IOTMON_FEATURE_HISTORY ({spec.history_s:g}s) before its features count; raise it"
+        )
     step("evaluate", f"threshold {threshold:.4f}; evaluating on the holdout after {split}")
     holdout = featured.where(F.col(EVENT_TIME) >= F.lit(split))
     labels = truth_labels(spark, list(options.truth)) if options.truth else None

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
 from iotmon import broker
 from iotmon.config import Settings
+from iotmon.queries import run_until_idle
 from iotmon.schema import ALERTS, ANOMALIES, BRONZE, DEVICE_STATUS, DEVICE_WINDOWS, LIVE_WINDOWS, SILVER
 from ml.train import TrainOptions, train
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
+from streaming.jobs import ANALYTICS_QUERIES, ensure_analytics_tables
 from streaming.silver import READING_KEY
 from tests.support import batch_ids, cli_env, wait_for, with_own_broker
 
@@ -60,9 +63,9 @@ def _reconciles_exactly(settings: Settings, *truth: Path) -> str:
 
 def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: Path, spark) -> None:
     # Small batches, so every query is still busy when it is killed.
-    # A short feature history lets the trainer work on the little silver there is by the sixth run.
+    # A short feature history lets the trainer work on the few minutes of readings simulated here.
     settings = dataclasses.replace(
-        isolated, max_offsets_per_trigger=1_500, trigger_interval="1 seconds", feature_history="2 seconds"
+        isolated, max_offsets_per_trigger=1_500, trigger_interval="1 seconds", feature_history="10 seconds"
     )
     first, second = tmp_path / "first.parquet", tmp_path / "second.parquet"
     _simulate(settings, first, events=15_000, seed=3)
@@ -74,7 +77,13 @@ def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: 
     last_killed: dict[str, int] = {}
     groups = []
     for kill, query in enumerate((BRONZE, SILVER, DEVICE_WINDOWS, LIVE_WINDOWS, DEVICE_STATUS, ANOMALIES, ALERTS)):
-        if query == ANOMALIES:  # the first model appears while the stream is down: the scorer starts with a backlog
+        if query == ANOMALIES:
+            # The first model appears while the stream is down (trained on all of silver): the scorer
+            # starts with a backlog.
+            ensure_archive_tables(spark, settings)
+            ensure_analytics_tables(spark, settings)
+            silver_query = [spec for spec in ANALYTICS_QUERIES if spec.name == SILVER]
+            run_until_idle(spark, settings, (*ARCHIVE_QUERIES, *silver_query))
             assert train(spark, settings, TrainOptions()).promoted
         checkpoint, after = settings.checkpoint_path(query), last_killed.get(query, -1)
         process = _stream(settings, log)
