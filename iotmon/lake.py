@@ -109,6 +109,25 @@ def write_text(spark: SparkSession, path: str, text: str | None) -> None:
         stream.close()
 
 
+def remove_unfinished_first_batch(spark: SparkSession, checkpoint: str) -> list[str]:
+    """Delete what a crash during a query's very first offset write left in ``<checkpoint>/offsets``.
+
+    Spark writes an offset file as a hidden temp file and renames it. Killed in between, the log holds no
+    batch, only the temp file; Spark 4.2 then refuses batch 0 because the offset log is not empty
+    (STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY, SPARK-53103), on every restart. With no batch in the log
+    there is nothing to lose: the batch is planned again. Returns the names removed.
+    """
+    fs, offsets = _file_system(spark, f"{checkpoint.rstrip('/')}/offsets")
+    if not fs.exists(offsets):
+        return []
+    names = [status.getPath().getName() for status in fs.listStatus(offsets)]
+    if any(name.isdigit() for name in names):
+        return []
+    for name in names:
+        fs.delete(spark.sparkContext._jvm.org.apache.hadoop.fs.Path(offsets, name), False)
+    return names
+
+
 def register_tables(spark: SparkSession, settings: Settings) -> list[str]:
     """Register each existing lake table as a temporary view named after it; return the names."""
     registered = []

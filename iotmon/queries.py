@@ -42,6 +42,22 @@ class QuerySpec:
         return self.ready(spark, settings) if self.ready is not None else None
 
 
+def start_query(
+    spec: QuerySpec, spark: SparkSession, settings: Settings, trigger: Trigger, out: TextIO
+) -> StreamingQuery:
+    """Start ``spec`` after clearing what a crash in its first offset write may have left (see
+    ``iotmon.lake.remove_unfinished_first_batch``)."""
+    from iotmon.lake import remove_unfinished_first_batch
+
+    if removed := remove_unfinished_first_batch(spark, settings.checkpoint_path(spec.name)):
+        print(
+            f"{spec.name}: removed {', '.join(removed)}: the first batch's offsets, unfinished when a crash hit",
+            file=out,
+            flush=True,
+        )
+    return spec.start(spark, settings, trigger)
+
+
 class QueryFailed(RuntimeError):
     """A query failed more often than ``IOTMON_QUERY_RESTARTS`` allows."""
 
@@ -106,7 +122,7 @@ def run_until_idle(
             print(f"{spec.name:<12} skipped: {waiting}", file=out, flush=True)
             continue
         started = time.monotonic()
-        query = spec.start(spark, settings, AVAILABLE_NOW)
+        query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
         try:
             while not query.awaitTermination(report_every):
                 print(progress_line(query), file=out, flush=True)
@@ -139,7 +155,7 @@ def run_continuously(
         reason = spec.waiting_for(spark, settings)
         if reason is None:
             waiting.pop(spec.name, None)
-            queries[spec.name] = spec.start(spark, settings, trigger)
+            queries[spec.name] = start_query(spec, spark, settings, trigger, out)
             return
         if spec.name not in waiting:
             print(f"{spec.name}: {ended + '; ' if ended else ''}waiting: {reason}", file=out, flush=True)
@@ -175,7 +191,7 @@ def run_continuously(
                 print(f"{spec.name}: query ended ({reason}); restarting in {backoff:.0f}s", file=out, flush=True)
                 if stop.wait(backoff):
                     break
-                queries[spec.name] = spec.start(spark, settings, trigger)
+                queries[spec.name] = start_query(spec, spark, settings, trigger, out)
             if time.monotonic() >= next_report:
                 for query in queries.values():
                     print(progress_line(query), file=out, flush=True)

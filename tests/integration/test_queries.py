@@ -8,11 +8,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings
-from iotmon.queries import QueryFailed, QuerySpec, Trigger, run_continuously
+from iotmon.queries import AVAILABLE_NOW, QueryFailed, QuerySpec, Trigger, run_continuously, run_until_idle
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
@@ -66,3 +67,37 @@ def test_too_many_failures_stop_the_supervisor(spark: SparkSession, base_setting
     settings = dataclasses.replace(base_settings, query_restarts=0)
     with pytest.raises(QueryFailed, match=r"query flaky failed 1 times; last error: .*injected failure"):
         run_continuously(spark, settings, [_flaky_spec(tmp_path, 99, [])], threading.Event(), io.StringIO())
+
+
+def test_a_crash_in_the_first_offset_write_does_not_block_the_query_forever(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    """Killed between writing batch 0's offsets to a temp file and renaming it, a query leaves only that
+    temp file; Spark 4.2 then refuses batch 0 on every start. ``start_query`` clears it."""
+    settings = dataclasses.replace(base_settings, checkpoints=str(tmp_path / "checkpoints"))
+    source = str(tmp_path / "source")
+    spark.range(5).write.format("delta").save(source)
+    seen: list[int] = []
+
+    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+        return (
+            spark.readStream.format("delta")
+            .load(source)
+            .writeStream.queryName("first")
+            .foreachBatch(lambda batch, _: seen.append(batch.count()))
+            .option("checkpointLocation", settings.checkpoint_path("first"))
+            .trigger(**trigger)
+            .start()
+        )
+
+    offsets = Path(settings.checkpoint_path("first")) / "offsets"
+    offsets.mkdir(parents=True)
+    (offsets / ".0.5b5a3108-152f-4a30-b5e0-cc790d5b3a60.tmp").write_text("v1\n{half written")
+    spec = QuerySpec("first", start)
+    with pytest.raises(StreamingQueryException, match="STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY"):
+        spec.start(spark, settings, AVAILABLE_NOW).awaitTermination(120)
+
+    out = io.StringIO()
+    run_until_idle(spark, settings, [spec], out)
+    assert seen == [5]
+    assert "first: removed .0.5b5a3108-152f-4a30-b5e0-cc790d5b3a60.tmp" in out.getvalue()

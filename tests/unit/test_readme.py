@@ -6,7 +6,7 @@ import re
 
 from iotmon.cli import build_parser
 from iotmon.config import describe_settings
-from iotmon.schema import BRONZE_SCHEMA, DEVICES_SCHEMA, QUARANTINE_SCHEMA
+from iotmon.schema import ALERTS_SCHEMA, ANOMALIES_SCHEMA, BRONZE_SCHEMA, DEVICES_SCHEMA, QUARANTINE_SCHEMA
 from tests.support import PROJECT_ROOT
 
 README = (PROJECT_ROOT / "README.md").read_text()
@@ -24,6 +24,6 @@ def test_every_command_the_readme_mentions_exists() -> None:
 
 
 def test_every_table_column_is_documented() -> None:
-    for schema in (BRONZE_SCHEMA, QUARANTINE_SCHEMA, DEVICES_SCHEMA):
+    for schema in (BRONZE_SCHEMA, QUARANTINE_SCHEMA, DEVICES_SCHEMA, ANOMALIES_SCHEMA, ALERTS_SCHEMA):
         for field in schema:
             assert f"`{field.name}`" in README, field.name
