@@ -181,7 +181,8 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     check.rows_checked[LIVE_WINDOWS] = count
     check.problems += problems
     count, problems = _anomalies_against_silver(spark, settings, silver)
-    check.rows_checked[ANOMALIES] = count
+    if count is not None:
+        check.rows_checked[ANOMALIES] = count
     check.problems += problems
     alerts = read(settings.table_path(ALERTS))
     repeated = alerts.groupBy("alert_id").count().where("count > 1").count()
@@ -191,11 +192,14 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     return check
 
 
-def _anomalies_against_silver(spark: SparkSession, settings: Settings, silver: DataFrame) -> tuple[int, list[str]]:
+def _anomalies_against_silver(
+    spark: SparkSession, settings: Settings, silver: DataFrame
+) -> tuple[int | None, list[str]]:
+    """Rows checked (None when there is no model yet, so nothing to check) and problems."""
     anomalies = spark.read.format("delta").load(settings.table_path(ANOMALIES))
     versions = [row[0] for row in anomalies.select("model_version").distinct().collect()]
     if not versions and registry.champion(settings) is None:
-        return 0, []  # no model yet: nothing could be scored
+        return None, []  # no model yet: nothing could be scored
     expected = None
     for version in versions:
         ref = registry.model_ref(settings, version)
