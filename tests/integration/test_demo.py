@@ -25,7 +25,7 @@ def test_demo_runs_the_whole_loop_reconciles_and_stops_everything(base_settings:
     settings = dataclasses.replace(with_own_broker(base_settings, tmp_path), feature_history="5 seconds")
     demo = subprocess.run(
         [
-            *(sys.executable, "-m", "iotmon.cli", "demo", "--duration", "45"),
+            *(sys.executable, "-m", "iotmon.cli", "demo", "--duration", "90"),
             *("--devices", "50", "--rate", "200", "--retrain-every", "10 seconds"),
         ],
         env=cli_env(settings),
