@@ -42,9 +42,27 @@ def _run(settings: Settings, *args: str) -> subprocess.CompletedProcess:
 
 
 def _batch_in_flight(checkpoint: str, after: int) -> int | None:
-    """A batch whose offsets are logged but which has not committed: the moment to crash."""
-    pending = {b for b in batch_ids(checkpoint, "offsets") - batch_ids(checkpoint, "commits") if b > after}
-    return min(pending) if pending else None
+    """The first batch after ``after`` whose offsets are logged: the moment to crash. It is usually still
+    running when seen (batches take seconds); if the test process was slow to look, the kill lands just
+    after it, which must be survived exactly as well."""
+    planned = {b for b in batch_ids(checkpoint, "offsets") if b > after}
+    return min(planned) if planned else None
+
+
+def _gone(groups: list[int]) -> None:
+    """Kill what is left of earlier runs (the JVM a driver-only kill orphaned) and wait until it is gone."""
+
+    def alive(group: int) -> bool:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    wait_for(lambda: not any(alive(group) for group in groups), 60, "the killed runs' processes to exit")
 
 
 def _simulate(settings: Settings, truth: Path, events: int, seed: int) -> None:
@@ -80,6 +98,7 @@ def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: 
         if query == ANOMALIES:
             # The first model appears while the stream is down, trained on all of silver: the next run's
             # scorer starts with a backlog, and little else competes with it (everything else is drained).
+            _gone(groups)  # no killed JVM may still write to the checkpoints the drain resumes
             ensure_archive_tables(spark, settings)
             ensure_analytics_tables(spark, settings)
             run_until_idle(spark, settings, (*ARCHIVE_QUERIES, *ANALYTICS_QUERIES))
