@@ -123,6 +123,7 @@ def remove_unfinished_first_batch(spark: SparkSession, checkpoint: str) -> list[
     names = [status.getPath().getName() for status in fs.listStatus(offsets)]
     if any(name.isdigit() for name in names):
         return []
+    names = [name for name in names if name.startswith(".") and (name.endswith(".tmp") or name.endswith(".tmp.crc"))]
     for name in names:
         fs.delete(spark.sparkContext._jvm.org.apache.hadoop.fs.Path(offsets, name), False)
     return names
