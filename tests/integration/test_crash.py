@@ -107,8 +107,9 @@ def test_sigkill_mid_batch_repeatedly_then_resume(isolated: Settings, tmp_path: 
         process = _stream(settings, log)
         groups.append(process.pid)
         try:
-            in_flight = wait_for(
-                lambda cp=checkpoint, after=after: _batch_in_flight(cp, after),
+            # A tuple, so that batch 0 counts as found (wait_for waits for something truthy).
+            (in_flight,) = wait_for(
+                lambda cp=checkpoint, after=after: (b,) if (b := _batch_in_flight(cp, after)) is not None else None,
                 240,
                 f"{query} batch in flight",
             )
