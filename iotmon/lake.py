@@ -44,6 +44,20 @@ def checkpoint_app_id(spark: SparkSession, checkpoint: str) -> str:
     return f"iotmon-{json.loads(text)['id']}"
 
 
+class TransactionId:
+    """A query's Delta transaction app id, read from its checkpoint once, at the query's first batch
+    (the checkpoint's metadata exists only once the query has started)."""
+
+    def __init__(self, checkpoint: str) -> None:
+        self.checkpoint = checkpoint
+        self.value: str | None = None
+
+    def __call__(self, batch: DataFrame) -> str:
+        if self.value is None:
+            self.value = checkpoint_app_id(batch.sparkSession, self.checkpoint)
+        return self.value
+
+
 def append_once(frame: DataFrame, path: str, app_id: str, batch_id: int) -> None:
     """Append ``frame`` unless batch ``batch_id`` of ``app_id`` is already in the table."""
     writer = frame.write.format("delta").mode("append")

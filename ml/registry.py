@@ -116,12 +116,17 @@ def load_pipeline(settings: Settings, ref: ModelRef) -> PipelineModel:
     import mlflow.spark
 
     tracking(settings)
-    scratch = Path(settings.home, "tmp", "mlflow").absolute()
-    scratch.mkdir(parents=True, exist_ok=True)
     try:
-        return mlflow.spark.load_model(ref.uri, dfs_tmpdir=str(scratch))
+        return mlflow.spark.load_model(ref.uri, dfs_tmpdir=scratch_dir(settings))
     except Exception as exc:  # any failure to materialise the model makes the version unusable
         raise ModelUnusable(f"{ref.name} v{ref.version} cannot be loaded: {exc}") from exc
+
+
+def scratch_dir(settings: Settings) -> str:
+    """Where mlflow.spark stages a model between Spark and the artifact store."""
+    scratch = Path(settings.home, "tmp", "mlflow").absolute()
+    scratch.mkdir(parents=True, exist_ok=True)
+    return str(scratch)
 
 
 def pip_requirements() -> list[str]:

@@ -179,13 +179,11 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
         mlflow.log_metrics({"threshold": threshold, **metrics})
         if champion_metrics:
             mlflow.log_metrics({f"champion_{k}": v for k, v in champion_metrics.items()})
-        scratch = Path(settings.home, "tmp", "mlflow").absolute()
-        scratch.mkdir(parents=True, exist_ok=True)
         info = mlflow.spark.log_model(
             pipeline,
             registry.MODEL_ARTIFACT,
             registered_model_name=settings.model_name,
-            dfs_tmpdir=str(scratch),
+            dfs_tmpdir=registry.scratch_dir(settings),
             pip_requirements=registry.pip_requirements(),
         )
         version = int(info.registered_model_version)

@@ -27,7 +27,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import append_once, checkpoint_app_id, create_table, merge_once
+from iotmon.lake import TransactionId, append_once, create_table, merge_once
 from iotmon.queries import QuerySpec, Trigger, explain
 from iotmon.schema import (
     BRONZE,
@@ -92,23 +92,10 @@ def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
     ensure_alerts_table(spark, settings)
 
 
-class _TransactionId:
-    """The query's Delta transaction app id, read once per query start (the first batch)."""
-
-    def __init__(self, checkpoint: str) -> None:
-        self.checkpoint = checkpoint
-        self.value: str | None = None
-
-    def __call__(self, batch: DataFrame) -> str:
-        if self.value is None:
-            self.value = checkpoint_app_id(batch.sparkSession, self.checkpoint)
-        return self.value
-
-
 # --- silver ---------------------------------------------------------------------------------------------
 
 
-def write_silver_batch(settings: Settings, app_id: _TransactionId) -> BatchWriter:
+def write_silver_batch(settings: Settings, app_id: TransactionId) -> BatchWriter:
     silver_path, quarantine_path = settings.table_path(SILVER), settings.table_path(QUARANTINE)
 
     def write(batch: DataFrame, batch_id: int) -> None:
@@ -146,7 +133,7 @@ def start_silver(spark: SparkSession, settings: Settings, trigger: Trigger) -> S
     )
     return (
         classified.writeStream.queryName(SILVER)
-        .foreachBatch(write_silver_batch(settings, _TransactionId(checkpoint)))
+        .foreachBatch(write_silver_batch(settings, TransactionId(checkpoint)))
         .option("checkpointLocation", checkpoint)
         .trigger(**trigger)
         .start()
@@ -166,7 +153,7 @@ def final_through(spark: SparkSession, settings: Settings) -> datetime | None:
 
 
 def write_final_batch(
-    settings: Settings, app_id: _TransactionId, after: datetime | None, columns: dict[str, list[str]]
+    settings: Settings, app_id: TransactionId, after: datetime | None, columns: dict[str, list[str]]
 ) -> BatchWriter:
     """Split the tagged union into its tables; ``columns`` are each table's own."""
 
@@ -199,7 +186,7 @@ def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigge
         union = union.unionByName(frame, allowMissingColumns=True)
     checkpoint = settings.checkpoint_path(DEVICE_WINDOWS)
     columns = {table: frame.columns for table, frame in tables.items()}
-    writer = write_final_batch(settings, _TransactionId(checkpoint), final_through(spark, settings), columns)
+    writer = write_final_batch(settings, TransactionId(checkpoint), final_through(spark, settings), columns)
     return (
         union.writeStream.queryName(DEVICE_WINDOWS)
         .outputMode("append")
@@ -213,7 +200,7 @@ def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigge
 # --- gold: live windows -----------------------------------------------------------------------------------
 
 
-def write_live_batch(settings: Settings, app_id: _TransactionId) -> BatchWriter:
+def write_live_batch(settings: Settings, app_id: TransactionId) -> BatchWriter:
     path = settings.table_path(LIVE_WINDOWS)
 
     def write(batch: DataFrame, batch_id: int) -> None:
@@ -241,7 +228,7 @@ def start_live_windows(spark: SparkSession, settings: Settings, trigger: Trigger
     return (
         windows.writeStream.queryName(LIVE_WINDOWS)
         .outputMode("update")
-        .foreachBatch(write_live_batch(settings, _TransactionId(checkpoint)))
+        .foreachBatch(write_live_batch(settings, TransactionId(checkpoint)))
         .option("checkpointLocation", checkpoint)
         .trigger(**trigger)
         .start()

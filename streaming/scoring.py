@@ -26,7 +26,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings
-from iotmon.lake import append_once, checkpoint_app_id, create_table, read_text, write_text
+from iotmon.lake import TransactionId, append_once, create_table, read_text, write_text
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, SILVER
 from ml import registry
@@ -141,13 +141,10 @@ def scoring_ready(spark: SparkSession, settings: Settings) -> str | None:
 def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
     checkpoint = settings.checkpoint_path(ANOMALIES)
     path = settings.table_path(ANOMALIES)
-    app_id: str | None = None
+    app_id = TransactionId(checkpoint)
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        nonlocal app_id
         spark = batch.sparkSession
-        if app_id is None:  # the checkpoint's metadata exists only once the query has started
-            app_id = checkpoint_app_id(spark, checkpoint)
         pin = f"{checkpoint}/model-pins/{batch_id}"
         pinned = read_text(spark, pin)
         ref, pipeline = serving_model(settings, int(pinned) if pinned else None)
@@ -160,7 +157,7 @@ def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
             if not pinned:
                 write_text(spark, pin, str(ref.version))
                 write_text(spark, f"{checkpoint}/model-pins/{batch_id - PINS_KEPT}", None)
-            append_once(scored_readings(batch, context, pipeline, ref), path, app_id, batch_id)
+            append_once(scored_readings(batch, context, pipeline, ref), path, app_id(batch), batch_id)
         finally:
             batch.unpersist()
 
