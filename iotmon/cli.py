@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -315,6 +315,21 @@ def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
             buffer.clear()
 
 
+# --- latency ---------------------------------------------------------------------------------------------
+
+
+def cmd_latency(settings: Settings, args: argparse.Namespace) -> int:
+    """Read back from the Delta logs: when each on-time reading's rows were committed, against its event."""
+    from bench.latency import measure, render
+    from iotmon.spark import spark_session
+
+    since = args.since or datetime.now(UTC).replace(tzinfo=None) - timedelta(seconds=args.last)
+    spark = spark_session(settings, "iotmon-latency")
+    print(f"event -> readable in Delta, on-time readings with events since {since:%Y-%m-%d %H:%M:%S}Z")
+    print(render(measure(spark, settings, since)))
+    return 0
+
+
 # --- status ----------------------------------------------------------------------------------------------
 
 
@@ -507,6 +522,15 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress line")
 
 
+def _utc_time(text: str) -> datetime:
+    """An ISO-8601 time; without an offset it is UTC, as every time in the lake is."""
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an ISO-8601 time, e.g. 2026-11-22T10:00:00, not {text!r}") from None
+    return moment.astimezone(UTC).replace(tzinfo=None) if moment.tzinfo else moment
+
+
 def _seconds(text: str) -> float:
     """An interval argument such as '10 minutes', in seconds."""
     try:
@@ -560,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
     sql = command("sql", cmd_sql, "Spark SQL over the lake tables (bronze, quarantine, devices, ...)")
     sql.add_argument("statement", nargs="?", help='e.g. "SELECT parse_error, count(*) FROM bronze GROUP BY 1"')
     sql.add_argument("--limit", type=int, default=50, help="rows to show (default 50)")
+    latency = command("latency", cmd_latency, "event-to-Delta-commit latency percentiles of bronze, silver, anomalies")
+    latency.add_argument("--since", type=_utc_time, help="events from this UTC time, e.g. 2026-11-22T10:00:00")
+    latency.add_argument("--last", type=_seconds, default=600.0, help="else the last DURATION (default 10 minutes)")
     status = command("status", cmd_status, "is the stream running, its queries' last progress, the lake's tables")
     status.add_argument("--json", action="store_true", help="the same as JSON, for scripts and dashboards")
     command("setup", cmd_setup, "download the broker's and Spark's jars now, for offline starts later")
