@@ -237,8 +237,9 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     """Once, or every ``--every`` until stopped; a failed run is reported and leaves the champion as it was."""
     from iotmon.spark import spark_session
+    from ml.features import FeatureSpec
     from ml.model import ModelParams
-    from ml.train import TrainingError, TrainOptions, train
+    from ml.train import TrainingError, TrainOptions, archive_extent, train
 
     def truth() -> tuple[Path, ...]:
         from simulators.truth import available_truth
@@ -252,21 +253,26 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
         truth=truth(),
         promote=args.promote,
     )
-    spark = spark_session(settings, "iotmon-train")
     if args.every is None:
         try:
-            print(train(spark, settings, options).report())
+            print(train(spark_session(settings, "iotmon-train"), settings, options).report())
         except TrainingError as exc:
             raise CommandError(str(exc)) from None
         return 0
     stop = stop_on_signals()
+    spec, spark = FeatureSpec.from_settings(settings), None
     while True:
         started, wait = time.monotonic(), args.every
+        extent = archive_extent(settings)
+        shortfall = "no silver table yet" if extent is None else extent.shortfall(spec)
         try:
+            if shortfall:  # checked without Spark: no JVM of ours slows the stream while it starts
+                raise TrainingError(shortfall)
+            spark = spark or spark_session(settings, "iotmon-train")
             print(train(spark, settings, options).report(), flush=True)
         except TrainingError as exc:  # not enough data yet: look again soon
-            print(f"iotmon train: {exc}; trying again shortly", file=sys.stderr, flush=True)
             wait = min(args.every, TRAIN_RETRY_SECONDS)
+            print(f"iotmon train: {exc}; looking again in {wait:g}s", file=sys.stderr, flush=True)
         except Exception as exc:  # keep retraining; the champion stays whatever it was
             print(f"iotmon train: run failed, champion unchanged: {exc}", file=sys.stderr, flush=True)
         if stop.wait(max(0.0, wait - (time.monotonic() - started))):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
 
@@ -35,6 +35,52 @@ MIN_SPAN_HISTORIES = 4
 
 class TrainingError(RuntimeError):
     """Training cannot run (no archive yet, too little data); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ArchiveExtent:
+    """How much silver holds: enough to train on, or what is missing."""
+
+    version: int
+    readings: int
+    start: datetime | None
+    end: datetime | None
+
+    def shortfall(self, spec: FeatureSpec) -> str | None:
+        needed = MIN_SPAN_HISTORIES * spec.history_s
+        span = (self.end - self.start).total_seconds() if self.start and self.end else 0.0
+        if self.readings >= MIN_READINGS and span >= needed:
+            return None
+        return (
+            f"silver v{self.version} holds {self.readings:,} readings over {span:.0f}s of event time; training "
+            f"needs {MIN_READINGS:,} over {needed:.0f}s ({MIN_SPAN_HISTORIES} feature histories)"
+        )
+
+
+def archive_extent(settings: Settings) -> ArchiveExtent | None:
+    """Silver's extent from its Delta file statistics (delta-rs, no Spark): a periodic trainer can wait for
+    enough data without a JVM of its own competing with the stream's start."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from deltalake import DeltaTable as RustDeltaTable
+
+    path = settings.table_path(SILVER)
+    if not RustDeltaTable.is_deltatable(path):
+        return None
+    table = RustDeltaTable(path)
+    actions = pa.table(table.get_add_actions(flatten=True))
+    if actions.num_rows == 0:
+        return ArchiveExtent(table.version(), 0, None, None)
+
+    def naive_utc(moment: datetime | None) -> datetime | None:  # as Spark hands timestamps to Python
+        return moment.astimezone(UTC).replace(tzinfo=None) if moment and moment.tzinfo else moment
+
+    return ArchiveExtent(
+        table.version(),
+        int(pc.sum(actions.column("num_records")).as_py() or 0),
+        naive_utc(pc.min(actions.column(f"min.{EVENT_TIME}")).as_py()),
+        naive_utc(pc.max(actions.column(f"max.{EVENT_TIME}")).as_py()),
+    )
 
 
 @dataclass(frozen=True)
@@ -127,12 +173,9 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
     bounds = silver.agg(F.count("*"), F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
     readings, start, end = bounds[0], bounds[1], bounds[2]
     spec = FeatureSpec.from_settings(settings)
-    needed = MIN_SPAN_HISTORIES * spec.history_s
-    if readings < MIN_READINGS or (end - start).total_seconds() < needed:
-        raise TrainingError(
-            f"silver v{silver_version} holds {readings:,} readings over {(end - start).total_seconds():.0f}s of event "
-            f"time; training needs {MIN_READINGS:,} over {needed:.0f}s ({MIN_SPAN_HISTORIES} feature histories)"
-        )
+    shortfall = ArchiveExtent(silver_version, readings, start, end).shortfall(spec)
+    if shortfall:
+        raise TrainingError(shortfall)
     split = start + (end - start) * (1 - options.holdout)
     step("features", f"silver v{silver_version}: {readings:,} readings {start} .. {end}; computing features")
     featured = reading_features(silver, spec).persist()

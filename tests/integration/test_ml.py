@@ -17,7 +17,7 @@ from iotmon.schema import ANOMALIES, SILVER
 from ml import registry
 from ml.features import FEATURE_VERSION
 from ml.model import ModelParams
-from ml.train import TrainOptions, train
+from ml.train import TrainingError, TrainOptions, archive_extent, train
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from streaming import scoring
@@ -52,6 +52,15 @@ def _keys(spark: SparkSession, settings: Settings, table: str):
     return spark.read.format("delta").load(settings.table_path(table)).select(*READING_KEY)
 
 
+def test_trainer_refuses_an_empty_archive_with_a_reason(isolated: Settings, spark: SparkSession) -> None:
+    assert archive_extent(isolated) is None
+    ensure_analytics_tables(spark, isolated)  # silver exists but holds nothing yet: the demo's first seconds
+    assert archive_extent(isolated).readings == 0
+    with pytest.raises(TrainingError, match=r"holds 0 readings .* training needs 1,000"):
+        train(spark, isolated, TrainOptions(params=ModelParams()))
+    assert registry.champion(isolated) is None
+
+
 @pytest.fixture(scope="module")
 def shared_archive(
     kafka: Settings, spark: SparkSession, tmp_path_factory: pytest.TempPathFactory
@@ -82,6 +91,9 @@ def test_trainer_registers_promotes_and_keeps_the_champion_against_worse_or_brok
 
     first = train(spark, settings, TrainOptions(truth=(truth,)))
     assert (first.version, first.promoted) == (1, True)
+    # The periodic trainer's Spark-free look at silver sees what the run read.
+    extent = archive_extent(settings)
+    assert (extent.readings, extent.start, extent.end) == (first.readings, first.data_start, first.data_end)
     assert first.metrics["f1"] > 0.6, first.report()
     assert registry.champion(settings).version == 1
     run = registry.tracking(settings).get_run(first.run_id)
