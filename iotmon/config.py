@@ -43,6 +43,13 @@ def _parse_optional_positive_int(raw: str) -> int | None:
     return _parse_positive_int(raw)
 
 
+def _parse_port(raw: str) -> int:
+    value = int(raw)
+    if not 0 < value < 65536:
+        raise ValueError("expected a TCP port between 1 and 65535")
+    return value
+
+
 def _parse_fraction(raw: str) -> float:
     value = float(raw)
     if not 0.0 < value < 0.5:
@@ -166,6 +173,19 @@ class Settings:
     )
     query_restarts: int = _setting(
         "QUERY_RESTARTS", 5, int, "Times `iotmon stream` restarts a failed query before giving up."
+    )
+    dashboard_host: str = _setting(
+        "DASHBOARD_HOST", "127.0.0.1", str, "Address `iotmon dashboard` listens on (loopback: this machine only)."
+    )
+    dashboard_port: int = _setting("DASHBOARD_PORT", 8050, _parse_port, "Port `iotmon dashboard` listens on.")
+    dashboard_refresh: str = _setting(
+        "DASHBOARD_REFRESH", "5 seconds", _parse_interval, "How often the dashboard page re-reads the lake."
+    )
+    dashboard_lookback: str = _setting(
+        "DASHBOARD_LOOKBACK",
+        "30 minutes",
+        _parse_interval,
+        "Event time before each table's newest row that the dashboard reads; older rows are not read.",
     )
 
     @classmethod

@@ -159,22 +159,46 @@ def _order(row: Mapping[str, Any]) -> tuple[datetime, int]:
     return row["timestamp"], row["batch_id"]
 
 
-def queries_from_table(path: str) -> list[QueryStatus]:
-    """The latest row per query of ``query_progress`` (among the rows of its last day)."""
+def _newest_scalar(table: Any, column: str) -> Any:
     import pyarrow as pa
     import pyarrow.compute as pc
+
+    actions = pa.table(table.get_add_actions(flatten=True))
+    stat = f"max.{column}"
+    if actions.num_rows == 0 or stat not in actions.column_names or actions.column(stat).null_count:
+        return None
+    return pc.max(actions.column(stat))
+
+
+def newest(table: Any, column: str) -> Any:
+    """The largest value of ``column`` by the Delta log's file statistics, no data read; None when the table
+    is empty or some file has no statistics for it (then nobody can say without a scan)."""
+    latest = _newest_scalar(table, column)
+    return None if latest is None else latest.as_py()
+
+
+def since_newest(table: Any, column: str, span: timedelta) -> Any:
+    """A pyarrow filter keeping the rows within ``span`` of the table's newest ``column`` value (None: no
+    filter). Relative to the data, not the wall clock, so a replayed or simulated past still shows; delta-rs
+    gives each file its min/max as a guarantee, so files older than the span are not even opened."""
+    import pyarrow as pa
     import pyarrow.dataset as ds
+
+    latest = _newest_scalar(table, column)
+    if latest is None:
+        return None
+    return ds.field(column) >= pa.scalar(latest.as_py() - span, latest.type)
+
+
+def queries_from_table(path: str) -> list[QueryStatus]:
+    """The latest row per query of ``query_progress`` (among the rows of its last day)."""
     from deltalake import DeltaTable
 
     if not DeltaTable.is_deltatable(path):
         return []
     table = DeltaTable(path)
-    actions = pa.table(table.get_add_actions(flatten=True))
     dataset = table.to_pyarrow_dataset()
-    newest = pc.max(actions.column("max.timestamp")).as_py() if "max.timestamp" in actions.column_names else None
-    where = None
-    if newest is not None:
-        where = ds.field("timestamp") >= pa.scalar(newest - _FALLBACK_WINDOW, dataset.schema.field("timestamp").type)
+    where = since_newest(table, "timestamp", _FALLBACK_WINDOW)
     rows = dataset.to_table(columns=["query_name", "query_id", "run_id", *SUMMARY_FIELDS], filter=where).to_pylist()
     latest: dict[str, dict[str, Any]] = {}
     for row in rows:

@@ -11,6 +11,7 @@ def test_defaults_are_local_and_derived_from_home() -> None:
     assert settings.lake_root == str((Path("var") / "lake").absolute())
     assert settings.checkpoint_path("bronze") == str((Path("var") / "checkpoints" / "bronze").absolute())
     assert settings.cache == (Path("var") / "cache").absolute()
+    assert (settings.dashboard_host, settings.dashboard_port) == ("127.0.0.1", 8050)  # not exposed by default
 
 
 def test_environment_overrides_with_types() -> None:
@@ -21,6 +22,8 @@ def test_environment_overrides_with_types() -> None:
             "IOTMON_TOPIC_PARTITIONS": "12",
             "IOTMON_MAX_OFFSETS_PER_TRIGGER": "none",
             "IOTMON_TRIGGER_INTERVAL": "30 seconds",
+            "IOTMON_DASHBOARD_HOST": "0.0.0.0",
+            "IOTMON_DASHBOARD_PORT": "9000",
         }
     )
     assert settings.home == Path("/data/iot")
@@ -29,6 +32,7 @@ def test_environment_overrides_with_types() -> None:
     assert settings.topic_partitions == 12
     assert settings.max_offsets_per_trigger is None
     assert interval_seconds(settings.trigger_interval) == 30
+    assert (settings.dashboard_host, settings.dashboard_port) == ("0.0.0.0", 9000)
 
 
 @pytest.mark.parametrize(
@@ -38,6 +42,9 @@ def test_environment_overrides_with_types() -> None:
         ("IOTMON_TOPIC_PARTITIONS", "-1"),
         ("IOTMON_TRIGGER_INTERVAL", "soon"),
         ("IOTMON_WATERMARK", "5 fortnights"),
+        ("IOTMON_DASHBOARD_PORT", "70000"),
+        ("IOTMON_DASHBOARD_PORT", "0"),
+        ("IOTMON_DASHBOARD_LOOKBACK", "a while"),
     ],
 )
 def test_bad_values_name_the_variable(variable: str, value: str) -> None:
