@@ -226,9 +226,8 @@ def latest_per_query(series: pd.DataFrame) -> pd.DataFrame:
     return latest.reset_index().sort_values("query_name", ignore_index=True)[list(QUERY_COLUMNS)]
 
 
-def lateness_counts(lateness: pd.Series) -> dict[str, int]:
-    """Readings per lateness level as silver classified them (every level present)."""
-    counts = lateness.value_counts()
+def lateness_counts(counts: Mapping[str, int]) -> dict[str, int]:
+    """Readings per lateness level as silver classified them (every level present, zero included)."""
     return {level: int(counts.get(level, 0)) for level in LATENESS_LEVELS}
 
 

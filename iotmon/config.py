@@ -245,9 +245,14 @@ class Settings:
         return (self.home / "mlflow").absolute()
 
     @property
+    def mlflow_database(self) -> Path:
+        """The local SQLite tracking and registry database (used unless ``IOTMON_MLFLOW_TRACKING_URI`` is set)."""
+        return self.mlflow_home / "mlflow.db"
+
+    @property
     def tracking_uri(self) -> str:
         """The MLflow tracking (and registry) URI; local SQLite unless ``IOTMON_MLFLOW_TRACKING_URI`` is set."""
-        return self.mlflow_tracking_uri or f"sqlite:///{self.mlflow_home / 'mlflow.db'}"
+        return self.mlflow_tracking_uri or f"sqlite:///{self.mlflow_database}"
 
     @property
     def kafka_host_port(self) -> tuple[str, int]:

@@ -26,6 +26,9 @@ THRESHOLD_TAG = "threshold"
 HISTORY_TAG = "feature_history_s"
 FEATURES_TAG = "feature_version"
 MODEL_ARTIFACT = "model"
+PROMOTED_TAG = "promoted"
+DECISION_TAG = "decision"
+"""Tags of a trainer's run: whether it moved the champion alias (``True``/``False``), and why (not)."""
 
 _setup_lock = threading.Lock()
 

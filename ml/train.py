@@ -233,7 +233,9 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
         client.set_model_version_tag(settings.model_name, str(version), registry.THRESHOLD_TAG, repr(threshold))
         client.set_model_version_tag(settings.model_name, str(version), registry.HISTORY_TAG, repr(spec.history_s))
         client.set_model_version_tag(settings.model_name, str(version), registry.FEATURES_TAG, str(FEATURE_VERSION))
-        mlflow.set_tags({"decision": decision, "promoted": str(promoted), "registered_version": str(version)})
+        mlflow.set_tags(
+            {registry.DECISION_TAG: decision, registry.PROMOTED_TAG: str(promoted), "registered_version": str(version)}
+        )
         if champion is not None:
             mlflow.set_tag("champion_version", str(champion.version))
         if promoted:

@@ -60,7 +60,7 @@ def test_empty_tables_give_zero_counts_and_empty_breakdowns() -> None:
     assert shaping.open_alert_count(pd.DataFrame()) == 0
     assert shaping.latest_per_query(shaping.progress_series(pd.DataFrame())).empty
     assert shaping.quarantine_reasons(pd.DataFrame()).empty
-    assert shaping.lateness_counts(pd.Series(dtype=str)) == {ON_TIME: 0, LATE: 0, TOO_LATE: 0}
+    assert shaping.lateness_counts(pd.Series(dtype="int64")) == {ON_TIME: 0, LATE: 0, TOO_LATE: 0}
     series = shaping.device_series(pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), "temperature")
     assert series.empty and series.anomalies.empty
     assert shaping.model_history([], None).versions.empty
@@ -155,8 +155,7 @@ def test_pipeline_health_takes_each_querys_latest_batch_and_sums_dropped_rows() 
 
 
 def test_late_and_quarantined_records_are_counted() -> None:
-    lateness = pd.Series([ON_TIME, ON_TIME, LATE, TOO_LATE, ON_TIME])
-    assert shaping.lateness_counts(lateness) == {ON_TIME: 3, LATE: 1, TOO_LATE: 1}
+    assert shaping.lateness_counts({ON_TIME: 3, TOO_LATE: 1}) == {ON_TIME: 3, LATE: 0, TOO_LATE: 1}
     quarantine = pd.DataFrame({"stage": ["bronze", "bronze", "silver"], "reason": ["invalid_json", "x", "x"]})
     assert shaping.quarantine_reasons(quarantine).values.tolist() == [
         ["bronze", "invalid_json", 1],
