@@ -20,6 +20,20 @@ from iotmon.config import Settings
 from iotmon.status import newest
 
 
+def is_true(column: str) -> Any:
+    """A pyarrow filter for rows where boolean ``column`` is true, safe on columns without Delta statistics.
+
+    Spark writes no min/max statistics for booleans, and delta-rs (1.x) then gives each file the guarantee
+    ``column >= null``, from which pyarrow concludes that ``column == true`` matches no row of any file: the
+    plain predicate silently returns nothing. Comparing a cast of the column is not simplified against the
+    guarantee, so it is evaluated on the rows, as it should be.
+    """
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    return ds.field(column).cast(pa.int8()) == 1
+
+
 class LakeReader:
     """Reads the lake's tables for the dashboard; safe to share between Dash's request threads."""
 

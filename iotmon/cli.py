@@ -346,6 +346,20 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     return report(settings, args.json, sys.stdout)
 
 
+# --- dashboard -------------------------------------------------------------------------------------------
+
+
+def cmd_dashboard(settings: Settings, args: argparse.Namespace) -> int:
+    """No Spark: the page reads the Delta tables with delta-rs and MLflow's registry, and refreshes itself."""
+    try:
+        from dashboard.app import serve
+    except ImportError as exc:
+        raise CommandError(f"the dashboard needs Dash and plotly ({exc}): pip install -e .") from None
+    overrides = {"dashboard_host": args.host, "dashboard_port": args.port}
+    serve(replace(settings, **{name: value for name, value in overrides.items() if value is not None}))
+    return 0
+
+
 # --- setup, config, reset ----------------------------------------------------------------------------------
 
 
@@ -595,6 +609,13 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_argument("--last", type=_seconds, default=600.0, help="else the last DURATION (default 10 minutes)")
     status = command("status", cmd_status, "is the stream running, its queries' last progress, the lake's tables")
     status.add_argument("--json", action="store_true", help="the same as JSON, for scripts and dashboards")
+    dashboard = command(
+        "dashboard",
+        cmd_dashboard,
+        "web dashboard over the lake (no Spark): fleet, devices, anomalies, pipeline health, models",
+    )
+    dashboard.add_argument("--host", help="address to listen on (default $IOTMON_DASHBOARD_HOST, 127.0.0.1)")
+    dashboard.add_argument("--port", type=int, help="port to listen on (default $IOTMON_DASHBOARD_PORT, 8050)")
     command("setup", cmd_setup, "download the broker's and Spark's jars now, for offline starts later")
     command("config", cmd_config, "list the IOTMON_* settings with their defaults")
     reset = command("reset", cmd_reset, "delete the lake, checkpoints and truth files (they go together)")

@@ -3,6 +3,7 @@ row caps, and tables that appear or grow while the dashboard runs."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 from deltalake import write_deltalake
 
-from dashboard.lake import LakeReader
+from dashboard.lake import LakeReader, is_true
 from dashboard.models import read_model_history
 from iotmon.config import Settings
 from iotmon.schema import SILVER
@@ -62,6 +63,25 @@ def test_only_recent_rows_are_read_and_older_files_are_not_opened(tmp_path: Path
     latest = reader.read(SILVER, ["event_time"], newest_first="event_time", limit=2)
     assert sorted(latest["event_time"]) == [T0 + timedelta(minutes=55), T0 + timedelta(minutes=60)]
     assert reader.counts(SILVER, "lateness", since=since).to_dict() == {"late": 2, "on_time": 1}
+
+
+def test_a_boolean_filter_finds_its_rows_in_a_spark_shaped_log(tmp_path: Path) -> None:
+    """Spark logs a null count but no min/max for a boolean column; delta-rs 1.x turns that into a guarantee
+    under which pyarrow drops every row for ``is_anomaly == true``. ``is_true`` must still find the rows."""
+    reader = LakeReader(Settings.from_env({}, home=tmp_path))
+    path = reader.settings.table_path(SILVER)
+    write_deltalake(path, pa.table({"seq": [1, 2, 3], "is_anomaly": [False, True, True]}))
+    log = Path(path) / "_delta_log" / f"{0:020d}.json"
+    actions = [json.loads(line) for line in log.read_text().splitlines()]
+    for action in actions:
+        if "add" in action:
+            stats = json.loads(action["add"]["stats"])
+            for bound in ("minValues", "maxValues"):
+                stats[bound].pop("is_anomaly")
+            action["add"]["stats"] = json.dumps(stats)
+    log.write_text("".join(json.dumps(action) + "\n" for action in actions))
+
+    assert reader.read(SILVER, ["seq"], where=is_true("is_anomaly"))["seq"].tolist() == [2, 3]
 
 
 def test_no_model_history_before_the_first_training_run_and_nothing_created(tmp_path: Path) -> None:
