@@ -6,13 +6,14 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help demo test lint unit integration setup clean
+.PHONY: help demo test lint unit integration setup browser dashboard clean
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo   run the demo: broker, live sensor fleet, streaming archive (Ctrl-C drains and reconciles)"
 	@echo "make test   lint and run every test against a real Kafka broker, Spark and Delta"
-	@echo "make unit | integration | lint | setup | clean"
+	@echo "make dashboard   the ops dashboard on http://127.0.0.1:8050/ (run it beside 'make demo')"
+	@echo "make unit | integration | lint | setup | browser | clean"
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run 'make PYTHON=/path/to/python3.11 ...'"; exit 1; }
@@ -28,17 +29,24 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/iotmon demo $(ARGS)
 
+dashboard: setup
+	$(BIN)/iotmon dashboard $(ARGS)
+
+# Debian's chromium and chromium-driver for the dashboard's browser test (apt-get; nothing if present).
+browser:
+	@.ci/install-browser
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: setup lint
+test: setup lint browser
 	$(BIN)/pytest $(ARGS)
 
 unit: setup
 	$(BIN)/pytest -m "not integration" $(ARGS)
 
-integration: setup
+integration: setup browser
 	$(BIN)/pytest -m integration $(ARGS)
 
 clean:
