@@ -481,6 +481,7 @@ def _progress_figure(series: pd.DataFrame) -> go.Figure:
     figure = make_subplots(rows=2, cols=3, subplot_titles=[title for _, title in panels], shared_xaxes=True)
     palette = ["#1565c0", "#2e7d32", "#ef6c00", "#6a1b9a", "#c62828", "#00838f", "#5d4037", "#ad1457", "#455a64"]
     for index, (name, rows) in enumerate(series.groupby("query_name", sort=True)):
+        in_legend = False
         for panel, (column, _) in enumerate(panels):
             values = pd.to_numeric(rows[column], errors="coerce")
             if values.isna().all():
@@ -490,11 +491,12 @@ def _progress_figure(series: pd.DataFrame) -> go.Figure:
                 y=values,
                 name=str(name),
                 legendgroup=str(name),
-                showlegend=panel == 0 or column == "kafka_lag",
+                showlegend=not in_legend,
                 line={"color": palette[index % len(palette)]},
                 row=panel // 3 + 1,
                 col=panel % 3 + 1,
             )
+            in_legend = True
     figure.update_layout(height=460, margin={"l": 40, "r": 10, "t": 40, "b": 30})
     return figure
 
