@@ -180,7 +180,16 @@ def test_dashboard_waits_on_an_empty_lake_then_shows_the_pipelines_fleet_and_ano
         cells = rows[0].find_elements("tag name", "td")
         assert cells[-1].text == "1", "the model version that flagged the anomaly"
         assert cells[1].text.startswith("dev-")
-        _until(browser, lambda d: d.find_elements("css selector", "#queries-table tbody tr"), "pipeline health rows")
+        # The recorder flushed every query's batches and marked the run file stopped when the pipeline ended.
+        _until(browser, lambda d: _text(d, "stream-state") == "stream not running", "the stream's end")
+        recorded = {spec.name for spec in (*ARCHIVE_QUERIES, *ANALYTICS_QUERIES)} - {DEVICE_WINDOWS}
+        _until(
+            browser,
+            lambda d: (
+                {row.text.split()[0] for row in d.find_elements("css selector", "#queries-table tbody tr")} == recorded
+            ),
+            f"pipeline health rows of {sorted(recorded)}",
+        )
         _until(
             browser,
             lambda d: "champion: iotmon-anomaly v1 since" in (_text(d, "champion") or ""),
