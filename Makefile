@@ -10,9 +10,9 @@ STAMP  := $(VENV)/.installed
 .DEFAULT_GOAL := help
 
 help:
-	@echo "make demo   run the demo: broker, live sensor fleet, streaming archive (Ctrl-C drains and reconciles)"
+	@echo "make demo   run the demo: broker, live fleet, stream, trainer, dashboard, MLflow UI (Ctrl-C drains and reconciles)"
 	@echo "make test   lint and run every test against a real Kafka broker, Spark and Delta"
-	@echo "make dashboard   the ops dashboard on http://127.0.0.1:8050/ (run it beside 'make demo')"
+	@echo "make dashboard   the ops dashboard on http://127.0.0.1:8050/ alone (make demo starts one too)"
 	@echo "make unit | integration | lint | setup | browser | clean"
 
 $(STAMP): pyproject.toml

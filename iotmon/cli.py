@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from simulators.options import SimulationOptions
 
 EXIT_MISMATCH = 1
-TRAIN_RETRY_SECONDS = 30.0
+TRAIN_RETRY_SECONDS = 15.0
 TRAINER_STOP_SECONDS = 120.0
+CHILD_STOP_SECONDS = 30.0
 """``iotmon train --every``: how soon to look again when the archive is still too small to train on."""
 EXIT_ERROR = 2
 
@@ -360,6 +361,24 @@ def cmd_dashboard(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mlflow(settings: Settings, args: argparse.Namespace) -> int:
+    """Become the MLflow UI (exec, so signals reach it directly) on the project's tracking store."""
+    import os
+
+    from ml import registry
+
+    if settings.tracking_uri.startswith(("http://", "https://")):
+        raise CommandError(f"the tracking server {settings.tracking_uri} serves its own UI; open it there")
+    registry.experiment_id(settings)  # a fresh local store gets its schema and experiment before the UI reads it
+    host, port = args.host or settings.mlflow_ui_host, args.port or settings.mlflow_ui_port
+    print(f"mlflow ui: http://{host}:{port}/ (store {settings.tracking_uri}); Ctrl-C stops", flush=True)
+    ui = ["mlflow", "ui", "--backend-store-uri", settings.tracking_uri, "--host", host, "--port", str(port)]
+    # MLflow 3's server otherwise starts a job runner and a pool of huey consumers (GenAI scoring, trace
+    # archival): eight more Python processes the project never uses, on a machine the stream needs.
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    os.execv(sys.executable, [sys.executable, "-m", *ui, "--workers", "1"])
+
+
 # --- setup, config, reset ----------------------------------------------------------------------------------
 
 
@@ -384,6 +403,10 @@ def cmd_reset(settings: Settings, args: argparse.Namespace) -> int:
     from iotmon import broker
 
     targets = [Path(settings.lake_root), Path(settings.checkpoint_root), settings.truth_dir]
+    if args.models:
+        if settings.mlflow_tracking_uri is not None:
+            raise CommandError(f"refusing to delete the models of {settings.mlflow_tracking_uri}; use MLflow's tools")
+        targets.append(settings.mlflow_home)
     if args.kafka:
         if broker.status(settings).running:
             raise CommandError("stop the broker first (`iotmon kafka stop`), then reset with --kafka")
@@ -400,26 +423,67 @@ def cmd_reset(settings: Settings, args: argparse.Namespace) -> int:
 # --- demo --------------------------------------------------------------------------------------------------
 
 
+class _Children:
+    """The processes a demo starts, each stopped with its own signal, waited for, and killed if it hangs."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, subprocess.Popen, signal.Signals, float]] = []
+
+    def start(self, name: str, argv: Sequence[str], stop_with: signal.Signals, patience: float) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-m", "iotmon.cli", *argv])
+        self.started.append((name, process, stop_with, patience))
+        return process
+
+    def stop(self, *names: str) -> None:
+        chosen = [child for child in self.started if child[0] in names]
+        for _, process, stop_with, _ in chosen:
+            if process.poll() is None:
+                process.send_signal(stop_with)
+        for name, process, _, patience in chosen:
+            try:
+                process.wait(patience)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                print(f"{name}: killed after {patience:g}s without stopping", file=sys.stderr, flush=True)
+
+    def stop_all(self) -> None:
+        self.stop(*(name for name, *_ in self.started))
+
+
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
-    """Broker, a real-time fleet, the stream and a periodic trainer; on exit, drain, reconcile, and stop what it
-    started."""
+    """Broker, a real-time fleet, the stream, a periodic trainer, the dashboard and the MLflow UI, as separate
+    processes the way they would run in production; on exit, drain, reconcile, and stop what it started."""
     from iotmon import broker
 
     stop = stop_on_signals()
     broker_was_running = broker.status(settings).running
+    if args.fresh:
+        if broker_was_running:
+            raise CommandError("--fresh deletes the broker's data: stop it first (`iotmon kafka stop`)")
+        models = settings.mlflow_tracking_uri is None
+        cmd_reset(settings, argparse.Namespace(kafka=True, models=models))
     print(broker.start(settings).report(), flush=True)
+    from ml import registry
+
+    registry.experiment_id(settings)  # one process creates a fresh local store, before four start using it
+    children = _Children()
     try:
         truth = settings.truth_dir / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
-        simulator_cmd = [
-            *(sys.executable, "-m", "iotmon.cli", "simulate", "--quiet", "--truth", str(truth)),
-            *("--devices", str(args.devices), "--rate", str(args.rate)),
-            *(("--duration", str(args.duration)) if args.duration else ()),
-        ]
-        simulator = subprocess.Popen(simulator_cmd)
-        print(f"simulator: {args.devices} devices at {args.rate:g} events/s (pid {simulator.pid}); truth -> {truth}")
-        trainer_cmd = [sys.executable, "-m", "iotmon.cli", "train", "--every", args.retrain_every]
-        trainer = subprocess.Popen(trainer_cmd)
-        print(f"trainer: retrains every {args.retrain_every} once silver has enough history (pid {trainer.pid})")
+        fleet = ["--devices", str(args.devices), "--rate", str(args.rate)]
+        duration = ["--duration", str(args.duration)] if args.duration else []
+        simulator = ["simulate", "--quiet", "--truth", str(truth), *fleet, *duration]
+        pid = children.start("simulator", simulator, signal.SIGINT, CHILD_STOP_SECONDS).pid
+        print(f"simulator: {args.devices} devices at {args.rate:g} events/s (pid {pid}); truth -> {truth}")
+        trainer = ["train", "--every", args.retrain_every]
+        pid = children.start("trainer", trainer, signal.SIGINT, TRAINER_STOP_SECONDS).pid
+        print(f"trainer: retrains every {args.retrain_every} once silver has enough history (pid {pid})")
+        for name in ("dashboard", "mlflow"):
+            children.start(name, [name], signal.SIGTERM, CHILD_STOP_SECONDS)
+        print(
+            "dashboard, MLflow UI: their addresses follow; the first anomalies appear once the first model is trained",
+            flush=True,
+        )
         if args.duration:
             # Let the last readings reach the lake before the stream is stopped.
             grace = interval_seconds(settings.trigger_interval) * 2
@@ -429,19 +493,13 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         try:
             run_stream(settings, stop)
         finally:
-            for child in (simulator, trainer):
-                if child.poll() is None:
-                    child.send_signal(signal.SIGINT)
-            simulator.wait()
-            try:  # a training run in progress finishes (its champion decision is atomic) unless it takes too long
-                trainer.wait(TRAINER_STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                trainer.kill()
-                trainer.wait()
+            # A training run in progress finishes (its champion decision is atomic) unless it takes too long.
+            children.stop("simulator", "trainer")
         print("draining what is left in Kafka, then reconciling ...", flush=True)
         run_stream(settings, None)
-        return cmd_verify(settings, argparse.Namespace(truth=[truth] if truth.exists() else [], all_truth=False))
+        return cmd_verify(settings, argparse.Namespace(truth=[], all_truth=True))
     finally:
+        children.stop_all()
         if not broker_was_running:
             broker.stop(settings)
             print("stopped the kafka broker the demo started", flush=True)
@@ -616,10 +674,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dashboard.add_argument("--host", help="address to listen on (default $IOTMON_DASHBOARD_HOST, 127.0.0.1)")
     dashboard.add_argument("--port", type=int, help="port to listen on (default $IOTMON_DASHBOARD_PORT, 8050)")
+    ui = command("mlflow", cmd_mlflow, "the MLflow UI on the project's tracking store: runs, versions, champion")
+    ui.add_argument("--host", help="address to listen on (default $IOTMON_MLFLOW_UI_HOST, 127.0.0.1)")
+    ui.add_argument("--port", type=int, help="port to listen on (default $IOTMON_MLFLOW_UI_PORT, 5000)")
     command("setup", cmd_setup, "download the broker's and Spark's jars now, for offline starts later")
     command("config", cmd_config, "list the IOTMON_* settings with their defaults")
     reset = command("reset", cmd_reset, "delete the lake, checkpoints and truth files (they go together)")
     reset.add_argument("--kafka", action="store_true", help="also delete the embedded broker's data")
+    reset.add_argument("--models", action="store_true", help="also delete the local MLflow runs and models")
     demo = command(
         "demo", cmd_demo, "broker + real-time fleet + stream + periodic trainer; Ctrl-C drains and reconciles"
     )
@@ -627,6 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate", type=float, default=500.0, help="events/s")
     demo.add_argument("--duration", type=float, help="seconds to run (default: until Ctrl-C)")
     demo.add_argument("--retrain-every", default="5 minutes", help="how often the trainer runs (default 5 minutes)")
+    demo.add_argument("--fresh", action="store_true", help="start over: delete lake, checkpoints, Kafka data, models")
     return parser
 
 

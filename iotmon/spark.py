@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 from pyspark.sql import SparkSession
 
@@ -51,7 +53,13 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
         # Not optimizeWrite/autoCompact: measured to cost 3-4x the whole bronze batch here (an extra
         # shuffle and a compaction job per commit); compaction belongs in a maintenance job instead.
     )
+    # PySpark replaces the SIGINT handler with one that cancels every running job and raises
+    # KeyboardInterrupt. A stream stops between batches instead (the handler its command installed), so
+    # whatever handler was there before the session comes back.
+    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     session = builder.getOrCreate()
+    if handler is not None:
+        signal.signal(signal.SIGINT, handler)
     session.sparkContext.setLogLevel("WARN")
     # transformWithState warns for every key seen the first time ("Value state ... doesn't contain a value").
     log4j = session.sparkContext._jvm.org.apache.logging.log4j

@@ -13,6 +13,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,3 +85,11 @@ def isolated(kafka: Settings, tmp_path: Path) -> Settings:
         home=tmp_path,
         cache_dir=kafka.cache,
     )
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    """Debian's headless Chromium, driven by selenium (see ``tests/browser.py``)."""
+    from tests.browser import chromium
+
+    yield from chromium()

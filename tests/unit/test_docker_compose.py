@@ -15,7 +15,7 @@ APP_SERVICES = {name: svc for name, svc in COMPOSE["services"].items() if svc.ge
 
 
 def test_every_app_service_runs_a_real_iotmon_subcommand() -> None:
-    assert {"simulator", "stream"} <= set(APP_SERVICES)
+    assert {"simulator", "stream", "trainer", "dashboard", "mlflow"} <= set(APP_SERVICES)
     parser = build_parser()
     for name, service in APP_SERVICES.items():
         args = parser.parse_args(service["command"])  # exits (fails the test) on an unknown subcommand
@@ -49,3 +49,15 @@ def test_dockerfile_installs_the_way_the_readme_does() -> None:
     assert re.search(r"^RUN make setup\b", dockerfile, re.M)
     assert 'ENTRYPOINT ["iotmon"]' in dockerfile
     assert Path(PROJECT_ROOT / ".dockerignore").read_text().count("var/") == 1
+
+
+def test_web_services_publish_their_port_on_loopback_only() -> None:
+    parser = build_parser()
+    for name in ("dashboard", "mlflow"):
+        service = APP_SERVICES[name]
+        args = parser.parse_args(service["command"])
+        assert args.host == "0.0.0.0", f"{name} must listen beyond the container's own loopback"
+        (mapping,) = service["ports"]
+        host_ip, host_port, container_port = mapping.split(":")
+        assert host_ip == "127.0.0.1", f"{name} is published to this machine only"
+        assert int(container_port) == args.port and int(host_port) == args.port
