@@ -19,6 +19,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType
 
 from iotmon.config import Settings
+from iotmon.lake import list_files
 from iotmon.schema import ANOMALIES, BRONZE, DEVICE_ID, EVENT_TIME, ON_TIME, SEQ, SILVER
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
@@ -36,7 +37,9 @@ class Latency:
 
 def commit_times(spark: SparkSession, table_path: str) -> DataFrame:
     """``(data_file, committed_at)`` for every data file the table's JSON log adds."""
-    log = spark.read.schema(_LOG_SCHEMA).json(f"{table_path.rstrip('/')}/_delta_log/*.json")
+    # Listed here rather than globbed: Spark warns, with a stack trace, that a glob has no sink metadata.
+    commits = list_files(spark, f"{table_path.rstrip('/')}/_delta_log", ".json")
+    log = spark.read.schema(_LOG_SCHEMA).json(commits) if commits else spark.createDataFrame([], _LOG_SCHEMA)
     return log.where(F.col("add.path").isNotNull()).select(
         F.col("add.path").alias("data_file"), F.col("_metadata.file_modification_time").alias("committed_at")
     )

@@ -110,6 +110,16 @@ def read_text(spark: SparkSession, path: str) -> str | None:
         stream.close()
 
 
+def list_files(spark: SparkSession, directory: str, suffix: str) -> list[str]:
+    """The paths of the files in ``directory`` whose names end with ``suffix`` (none if it is missing)."""
+    fs, hadoop_path = _file_system(spark, directory)
+    if not fs.exists(hadoop_path):
+        return []
+    return [
+        str(status.getPath()) for status in fs.listStatus(hadoop_path) if status.getPath().getName().endswith(suffix)
+    ]
+
+
 def write_text(spark: SparkSession, path: str, text: str | None) -> None:
     """Write a small file (overwriting), or delete it when ``text`` is None."""
     fs, hadoop_path = _file_system(spark, path)
