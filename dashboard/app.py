@@ -296,22 +296,19 @@ class Views:
         latest = shaping.latest_anomalies(flagged, ANOMALY_ROWS)
         board = shaping.alert_board(alerts, ALERT_ROWS)
         counts = {"open alerts": shaping.open_alert_count(alerts), "recent anomalies": recent}
-        anomaly_view: Any = (
-            waiting("no anomalies flagged yet (the scorer needs a champion model: `iotmon train`)")
-            if latest.empty
-            else html.Div(
-                table(latest, "anomalies-table", [(c, c.replace("_", " ")) for c in shaping.ANOMALY_COLUMNS]),
-                className="scroll",
-            )
+
+        def scrolling(frame: pd.DataFrame, table_id: str, columns: tuple[str, ...], empty: str) -> Any:
+            if frame.empty:
+                return waiting(empty)
+            return html.Div(table(frame, table_id, [(c, c.replace("_", " ")) for c in columns]), className="scroll")
+
+        anomaly_view = scrolling(
+            latest,
+            "anomalies-table",
+            shaping.ANOMALY_COLUMNS,
+            "no anomalies flagged yet (the scorer needs a champion model: `iotmon train`)",
         )
-        alert_view: Any = (
-            waiting("no alerts yet")
-            if board.empty
-            else html.Div(
-                table(board, "alerts-table", [(c, c.replace("_", " ")) for c in shaping.ALERT_COLUMNS]),
-                className="scroll",
-            )
-        )
+        alert_view = scrolling(board, "alerts-table", shaping.ALERT_COLUMNS, "no alerts yet")
         return [
             cards(counts, "events"),
             html.Div(
@@ -379,21 +376,11 @@ class Views:
         newest = self.reader.newest(QUERY_PROGRESS, "timestamp")
         progress = pd.DataFrame()
         if newest is not None:
-            columns = [
-                "query_name",
-                "query_id",
-                "batch_id",
-                "timestamp",
-                "input_rows_per_second",
-                "processed_rows_per_second",
-                "batch_duration_ms",
-                "kafka_lag",
-                "watermark",
-                "state_rows",
-                "rows_dropped_by_watermark",
-            ]
             progress = self.reader.read(
-                QUERY_PROGRESS, columns, since=("timestamp", newest - self.lookback), newest_first="timestamp"
+                QUERY_PROGRESS,
+                list(shaping.PROGRESS_COLUMNS),
+                since=("timestamp", newest - self.lookback),
+                newest_first="timestamp",
             )
         series = shaping.progress_series(progress)
         latest = shaping.latest_per_query(series)

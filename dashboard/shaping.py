@@ -190,24 +190,26 @@ QUERY_COLUMNS: tuple[str, ...] = (
 )
 
 
+PROGRESS_COLUMNS: tuple[str, ...] = (
+    "query_name",
+    "query_id",
+    "batch_id",
+    "timestamp",
+    "input_rows_per_second",
+    "processed_rows_per_second",
+    "batch_duration_ms",
+    "kafka_lag",
+    "watermark",
+    "state_rows",
+    "rows_dropped_by_watermark",
+)
+"""The ``query_progress`` columns the pipeline section reads."""
+
+
 def progress_series(progress: pd.DataFrame) -> pd.DataFrame:
     """Progress rows, oldest first, with the batch duration in seconds and the watermark delay: how far the
     watermark (event time the query considers complete) trails the batch's wall-clock time, in seconds."""
-    frame = progress.reindex(
-        columns=[
-            "query_name",
-            "query_id",
-            "batch_id",
-            "timestamp",
-            "input_rows_per_second",
-            "processed_rows_per_second",
-            "batch_duration_ms",
-            "kafka_lag",
-            "watermark",
-            "state_rows",
-            "rows_dropped_by_watermark",
-        ]
-    ).copy()
+    frame = progress.reindex(columns=list(PROGRESS_COLUMNS)).copy()
     frame["query_name"] = frame["query_name"].fillna(frame["query_id"])
     frame["batch_duration_s"] = pd.to_numeric(frame["batch_duration_ms"]) / 1000.0
     delay = pd.to_datetime(frame["timestamp"], utc=True) - pd.to_datetime(frame["watermark"], utc=True)
