@@ -159,22 +159,33 @@ def _order(row: Mapping[str, Any]) -> tuple[datetime, int]:
     return row["timestamp"], row["batch_id"]
 
 
-def _newest_scalar(table: Any, column: str) -> Any:
+def _bound_scalar(table: Any, column: str, bound: str) -> Any:
+    """``bound`` ("min" or "max") of ``column`` over the files' statistics, as a pyarrow scalar."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     actions = pa.table(table.get_add_actions(flatten=True))
-    stat = f"max.{column}"
+    stat = f"{bound}.{column}"
     if actions.num_rows == 0 or stat not in actions.column_names or actions.column(stat).null_count:
         return None
-    return pc.max(actions.column(stat))
+    return pc.min(actions.column(stat)) if bound == "min" else pc.max(actions.column(stat))
 
 
 def newest(table: Any, column: str) -> Any:
     """The largest value of ``column`` by the Delta log's file statistics, no data read; None when the table
     is empty or some file has no statistics for it (then nobody can say without a scan)."""
-    latest = _newest_scalar(table, column)
+    latest = _bound_scalar(table, column, "max")
     return None if latest is None else latest.as_py()
+
+
+def oldest(table: Any, column: str) -> Any:
+    """The smallest value of ``column``, as ``newest`` finds the largest."""
+    earliest = _bound_scalar(table, column, "min")
+    return None if earliest is None else earliest.as_py()
+
+
+def row_count(table: Any) -> int:
+    return _row_count(table)[0]
 
 
 def since_newest(table: Any, column: str, span: timedelta) -> Any:
@@ -184,7 +195,7 @@ def since_newest(table: Any, column: str, span: timedelta) -> Any:
     import pyarrow as pa
     import pyarrow.dataset as ds
 
-    latest = _newest_scalar(table, column)
+    latest = _bound_scalar(table, column, "max")
     if latest is None:
         return None
     return ds.field(column) >= pa.scalar(latest.as_py() - span, latest.type)

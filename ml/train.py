@@ -60,26 +60,23 @@ class ArchiveExtent:
 def archive_extent(settings: Settings) -> ArchiveExtent | None:
     """Silver's extent from its Delta file statistics (delta-rs, no Spark): a periodic trainer can wait for
     enough data without a JVM of its own competing with the stream's start."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
     from deltalake import DeltaTable as RustDeltaTable
+
+    from iotmon.status import newest, oldest, row_count
 
     path = settings.table_path(SILVER)
     if not RustDeltaTable.is_deltatable(path):
         return None
     table = RustDeltaTable(path)
-    actions = pa.table(table.get_add_actions(flatten=True))
-    if actions.num_rows == 0:
-        return ArchiveExtent(table.version(), 0, None, None)
 
     def naive_utc(moment: datetime | None) -> datetime | None:  # as Spark hands timestamps to Python
         return moment.astimezone(UTC).replace(tzinfo=None) if moment and moment.tzinfo else moment
 
+    readings = row_count(table)
+    if readings == 0:
+        return ArchiveExtent(table.version(), 0, None, None)
     return ArchiveExtent(
-        table.version(),
-        int(pc.sum(actions.column("num_records")).as_py() or 0),
-        naive_utc(pc.min(actions.column(f"min.{EVENT_TIME}")).as_py()),
-        naive_utc(pc.max(actions.column(f"max.{EVENT_TIME}")).as_py()),
+        table.version(), readings, naive_utc(oldest(table, EVENT_TIME)), naive_utc(newest(table, EVENT_TIME))
     )
 
 
