@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 EXIT_MISMATCH = 1
 TRAIN_RETRY_SECONDS = 15.0
-TRAINER_STOP_SECONDS = 120.0
-CHILD_STOP_SECONDS = 30.0
 """``iotmon train --every``: how soon to look again when the archive is still too small to train on."""
+TRAINER_STOP_SECONDS = 120.0
+"""How long the demo lets a training run in progress finish when it stops (the champion decision is atomic)."""
+CHILD_STOP_SECONDS = 30.0
 EXIT_ERROR = 2
 
 
@@ -455,6 +456,7 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     """Broker, a real-time fleet, the stream, a periodic trainer, the dashboard and the MLflow UI, as separate
     processes the way they would run in production; on exit, drain, reconcile, and stop what it started."""
     from iotmon import broker
+    from ml import registry
 
     stop = stop_on_signals()
     broker_was_running = broker.status(settings).running
@@ -464,8 +466,6 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         models = settings.mlflow_tracking_uri is None
         cmd_reset(settings, argparse.Namespace(kafka=True, models=models))
     print(broker.start(settings).report(), flush=True)
-    from ml import registry
-
     registry.experiment_id(settings)  # one process creates a fresh local store, before four start using it
     children = _Children()
     try:
@@ -683,7 +683,9 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--kafka", action="store_true", help="also delete the embedded broker's data")
     reset.add_argument("--models", action="store_true", help="also delete the local MLflow runs and models")
     demo = command(
-        "demo", cmd_demo, "broker + real-time fleet + stream + periodic trainer; Ctrl-C drains and reconciles"
+        "demo",
+        cmd_demo,
+        "broker, real-time fleet, stream, periodic trainer, dashboard, MLflow UI; Ctrl-C drains and reconciles",
     )
     demo.add_argument("--devices", type=int, default=200)
     demo.add_argument("--rate", type=float, default=500.0, help="events/s")
