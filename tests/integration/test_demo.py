@@ -29,9 +29,10 @@ from tests.support import cli_env, free_port, wait_for, with_own_broker
 pytestmark = pytest.mark.integration
 
 DEVICES = 50
-FIRST_ANOMALY_TIMEOUT = 600.0
+FIRST_ANOMALY_TIMEOUT = 900.0
 """Seconds from the demo's start: the stream starts, silver spans four feature histories, a model is trained
-and promoted, and the scorer catches up; on a loaded 2-core machine that has taken up to about 5 minutes."""
+and promoted, and the scorer catches up. That took 320-364 s on an idle 2-core machine and 526 s in a CI run
+that shared it with a training job."""
 
 
 def _answers(url: str) -> bool:
