@@ -48,6 +48,7 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.timeout(FIRST_ANOMALY_TIMEOUT + 900)  # then Ctrl-C: drain, reconcile, stop
 def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
     base_settings: Settings, tmp_path: Path, browser: Any
 ) -> None:
