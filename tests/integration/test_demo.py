@@ -114,6 +114,7 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
             demo.wait()
+            broker.stop(settings)  # the broker runs detached from the demo's session
 
     assert demo.returncode == 0, output()
     text_out = log.read_text()
