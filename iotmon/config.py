@@ -178,10 +178,6 @@ class Settings:
         "DASHBOARD_HOST", "127.0.0.1", str, "Address `iotmon dashboard` listens on (loopback: this machine only)."
     )
     dashboard_port: int = _setting("DASHBOARD_PORT", 8050, _parse_port, "Port `iotmon dashboard` listens on.")
-    mlflow_ui_host: str = _setting(
-        "MLFLOW_UI_HOST", "127.0.0.1", str, "Address `iotmon mlflow` (the MLflow UI) listens on."
-    )
-    mlflow_ui_port: int = _setting("MLFLOW_UI_PORT", 5000, _parse_port, "Port `iotmon mlflow` listens on.")
     dashboard_refresh: str = _setting(
         "DASHBOARD_REFRESH", "5 seconds", _parse_interval, "How often the dashboard page re-reads the lake."
     )
@@ -191,6 +187,10 @@ class Settings:
         _parse_interval,
         "Event time before each table's newest row that the dashboard reads; older rows are not read.",
     )
+    mlflow_ui_host: str = _setting(
+        "MLFLOW_UI_HOST", "127.0.0.1", str, "Address `iotmon mlflow` (the MLflow UI) listens on."
+    )
+    mlflow_ui_port: int = _setting("MLFLOW_UI_PORT", 5000, _parse_port, "Port `iotmon mlflow` listens on.")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
