@@ -2,8 +2,8 @@
 
 A row is readable once the commit that added its data file is in the table's log, so the moment that log
 entry was written (its file's modification time, as ``DESCRIBE HISTORY`` reports it) is when a dashboard or
-query could first see the row.
-Measured against the lake alone, after the fact: nothing is added to the pipeline's hot path.
+query could first see the row. Measured against the lake alone, after the fact: nothing is added to the
+pipeline's hot path.
 
 Only on-time readings count (silver's ``lateness``): the simulator holds late readings back on purpose,
 and their delay is the sensor's, not the pipeline's.
