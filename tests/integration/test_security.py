@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
+from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables, kafka_records
 from ingest.verify import reconcile
 from iotmon import broker
 from iotmon.config import Secret, Settings
@@ -209,6 +209,10 @@ def test_archive_from_a_sasl_broker_keeps_the_password_to_kafka(
         with pytest.raises(KafkaUnavailable) as refused:
             partition_offsets(wrong, timeout=5)
         assert "not-the-password" not in str(refused.value)
+
+        # Spark shows the Kafka source's options in plans (and the SQL tab of its UI): the JAAS line is masked.
+        plan = kafka_records(spark, secured)._jdf.queryExecution().toString()
+        assert "kafka.sasl.jaas.config=*********(redacted)" in plan and PASSWORD not in plan
 
         # The real bronze query, as `iotmon stream` runs it, with its progress recorded to query_progress.
         ensure_archive_tables(spark, secured)
