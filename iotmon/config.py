@@ -171,7 +171,7 @@ class Settings:
         "KAFKA_SSL_CA_LOCATION",
         None,
         str,
-        "PEM file of the CA that signed the brokers' certificates (SSL, SASL_SSL; default: the system's CAs).",
+        "PEM file of the CA that signed the brokers' certificates (SSL, SASL_SSL; default: each client's own CAs).",
     )
     spark_master: str = _setting("SPARK_MASTER", "local[2]", str, "Spark master URL.")
     spark_driver_memory: str = _setting("SPARK_DRIVER_MEMORY", "3g", str, "Spark driver memory.")
