@@ -12,6 +12,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from ingest.bronze import PayloadRules, parse_records, quarantine_rows
 from iotmon.config import Settings
+from iotmon.kafka import spark_kafka_options
 from iotmon.lake import create_table
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import BRONZE, BRONZE_SCHEMA, QUARANTINE, QUARANTINE_SCHEMA
@@ -38,7 +39,7 @@ def kafka_records(spark: SparkSession, settings: Settings) -> DataFrame:
     """The readings topic as an unbounded table of Kafka records."""
     reader = (
         spark.readStream.format("kafka")
-        .option("kafka.bootstrap.servers", settings.kafka_bootstrap)
+        .options(**spark_kafka_options(settings))
         .option("subscribe", settings.topic)
         .option("startingOffsets", "earliest")
         # A gap between checkpoint and broker must stop the archive loudly, never skip silently.

@@ -70,18 +70,49 @@ def broker_paths(settings: Settings) -> BrokerPaths:
     return BrokerPaths((settings.home / "kafka").absolute())
 
 
+def _client_listener(settings: Settings) -> dict[str, object]:
+    """Properties of the clients' listener: PLAINTEXT, or SASL_PLAINTEXT with PLAIN when the settings ask.
+
+    The one user is the one the settings name (``user_<name>`` in the listener's JAAS line); the controller
+    listener stays PLAINTEXT, on loopback like the clients'.
+    """
+    protocol = settings.kafka_security_protocol
+    if protocol == "PLAINTEXT":
+        return {}
+    if protocol != "SASL_PLAINTEXT" or settings.kafka_sasl_mechanism != "PLAIN":
+        raise BrokerError(
+            f"The embedded broker serves PLAINTEXT or SASL_PLAINTEXT with PLAIN, not {protocol}"
+            f"{'/' + settings.kafka_sasl_mechanism if protocol.startswith('SASL_') else ''}; "
+            "run your own broker for SSL or SCRAM, or change IOTMON_KAFKA_SECURITY_PROTOCOL."
+        )
+    from iotmon.kafka import JAAS_LOGIN_MODULES, jaas_config, jaas_quote, sasl_credentials
+
+    username, password = sasl_credentials(settings)
+    # The broker's own login (inter-broker) followed by the users it accepts.
+    own_login = jaas_config(JAAS_LOGIN_MODULES["PLAIN"], username, password).removesuffix(";")
+    accepted = f"user_{username}={jaas_quote(password)}"
+    return {
+        "sasl.enabled.mechanisms": "PLAIN",
+        "sasl.mechanism.inter.broker.protocol": "PLAIN",
+        f"listener.name.{protocol.lower()}.plain.sasl.jaas.config": f"{own_login} {accepted};",
+    }
+
+
 def _server_properties(settings: Settings, paths: BrokerPaths) -> str:
     host, port = settings.kafka_host_port
     controller = settings.kafka_controller_port
+    listener = settings.kafka_security_protocol
+    security = _client_listener(settings)
     props = {
         "process.roles": "broker,controller",
         "node.id": NODE_ID,
         "controller.quorum.voters": f"{NODE_ID}@{host}:{controller}",
-        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller}",
-        "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+        "listeners": f"{listener}://{host}:{port},CONTROLLER://{host}:{controller}",
+        "advertised.listeners": f"{listener}://{host}:{port}",
         "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "inter.broker.listener.name": listener,
+        "listener.security.protocol.map": f"{listener}:{listener},CONTROLLER:PLAINTEXT",
+        **security,
         "log.dirs": paths.data,
         "num.partitions": settings.topic_partitions,
         "auto.create.topics.enable": "false",
@@ -96,7 +127,8 @@ def _server_properties(settings: Settings, paths: BrokerPaths) -> str:
         "log.retention.hours": -1,
         "log.segment.bytes": 256 * 1024 * 1024,
     }
-    return "".join(f"{key}={value}\n" for key, value in props.items())
+    # Java properties: a backslash escapes, so the JAAS line's own escapes are doubled.
+    return "".join(f"{key}={str(value).replace(chr(92), chr(92) * 2)}\n" for key, value in props.items())
 
 
 _LOG4J2 = """\
@@ -186,9 +218,11 @@ def _broker_answers(settings: Settings) -> bool:
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
+    from iotmon.kafka import client_config
+
     if not _port_open(*settings.kafka_host_port):
         return False
-    client = AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+    client = AdminClient(client_config(settings))
     try:
         client.list_topics(timeout=2)
     except KafkaException:
@@ -221,6 +255,9 @@ def start(settings: Settings, timeout: float = 90.0) -> BrokerStatus:
     java = _check_java()
     classpath = os.pathsep.join(str(jar) for jar in resolve(settings, kafka_broker_bundle()))
     paths.root.mkdir(parents=True, exist_ok=True)
+    # It may hold the SASL user's password: readable by this user only, and outside the lake.
+    paths.properties.touch(mode=0o600)
+    paths.properties.chmod(0o600)
     paths.properties.write_text(_server_properties(settings, paths))
     paths.log_config.write_text(_LOG4J2.format(log=paths.log))
     jvm = [

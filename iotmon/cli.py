@@ -697,11 +697,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    settings: Settings | None = None
     try:
         settings = Settings.from_env()
         return args.handler(settings, args)
     except _known_errors() as exc:
-        print(f"iotmon {args.command}: error: {exc}", file=sys.stderr)
+        message = str(exc) if settings is None else settings.redact(str(exc))
+        print(f"iotmon {args.command}: error: {message}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"iotmon {args.command}: interrupted", file=sys.stderr)

@@ -15,6 +15,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 ENV_PREFIX = "IOTMON_"
+REDACTED = "***"
+KAFKA_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+KAFKA_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
 class ConfigError(ValueError):
@@ -73,8 +76,50 @@ def interval_seconds(interval: str) -> float:
     return int(amount) * scale
 
 
-def _setting(env: str, default: Any, parse: Callable[[str], Any] = str, doc: str = "") -> Any:
-    return field(default=default, metadata={"env": env, "parse": parse, "doc": doc})
+class Secret:
+    """A setting's value that must never be shown: ``str``, ``repr`` and f-strings give ``***``.
+
+    Only the code that hands it to a client (``reveal()``) sees the value, so a setting printed, logged or
+    put in an exception by mistake shows the mask instead.
+    """
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __str__(self) -> str:
+        return REDACTED
+
+    def __repr__(self) -> str:
+        return f"Secret({REDACTED!r})"
+
+    def __format__(self, spec: str) -> str:
+        return format(REDACTED, spec)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+def _parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().upper()
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _setting(env: str, default: Any, parse: Callable[[str], Any] = str, doc: str = "", secret: bool = False) -> Any:
+    """A setting; ``secret`` ones hold a ``Secret`` and are masked wherever settings are shown."""
+    return field(default=default, metadata={"env": env, "parse": parse, "doc": doc, "secret": secret})
 
 
 @dataclass(frozen=True)
@@ -99,6 +144,34 @@ class Settings:
     topic: str = _setting("TOPIC", "iotmon.readings", str, "Topic the sensors publish to.")
     topic_partitions: int = _setting(
         "TOPIC_PARTITIONS", 4, _parse_positive_int, "Partitions of the readings topic when iotmon creates it."
+    )
+    kafka_security_protocol: str = _setting(
+        "KAFKA_SECURITY_PROTOCOL",
+        "PLAINTEXT",
+        _parse_choice(*KAFKA_SECURITY_PROTOCOLS),
+        "How every Kafka client connects: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.",
+    )
+    kafka_sasl_mechanism: str = _setting(
+        "KAFKA_SASL_MECHANISM",
+        "PLAIN",
+        _parse_choice(*KAFKA_SASL_MECHANISMS),
+        "SASL mechanism (SASL_* protocols): PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512.",
+    )
+    kafka_sasl_username: str | None = _setting(
+        "KAFKA_SASL_USERNAME", None, str, "SASL user name (required by the SASL_* protocols)."
+    )
+    kafka_sasl_password: Secret | None = _setting(
+        "KAFKA_SASL_PASSWORD",
+        None,
+        Secret,
+        "SASL password (required by SASL_*); secret: shown as *** and never logged or stored.",
+        secret=True,
+    )
+    kafka_ssl_ca_location: str | None = _setting(
+        "KAFKA_SSL_CA_LOCATION",
+        None,
+        str,
+        "PEM file of the CA that signed the brokers' certificates (SSL, SASL_SSL; default: each client's own CAs).",
     )
     spark_master: str = _setting("SPARK_MASTER", "local[2]", str, "Spark master URL.")
     spark_driver_memory: str = _setting("SPARK_DRIVER_MEMORY", "3g", str, "Spark driver memory.")
@@ -215,10 +288,21 @@ class Settings:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                env[ENV_PREFIX + f.metadata["env"]] = str(value)
+                env[ENV_PREFIX + f.metadata["env"]] = value.reveal() if isinstance(value, Secret) else str(value)
             elif f.default is not None:  # an optional setting switched off
                 env[ENV_PREFIX + f.metadata["env"]] = "none"
         return env
+
+    def secret_values(self) -> list[str]:
+        """The values of the settings marked secret, for ``redact``."""
+        values = (getattr(self, f.name) for f in fields(self) if f.metadata["secret"])
+        return [value.reveal() for value in values if isinstance(value, Secret) and value.reveal()]
+
+    def redact(self, text: str) -> str:
+        """``text`` with every secret setting's value replaced by ``***``: the last guard before output."""
+        for value in self.secret_values():
+            text = text.replace(value, REDACTED)
+        return text
 
     @property
     def cache(self) -> Path:
@@ -273,5 +357,6 @@ def describe_settings() -> list[tuple[str, str, str]]:
     rows = []
     for f in fields(Settings):
         default = f.default
-        rows.append((ENV_PREFIX + f.metadata["env"], "" if default is None else str(default), f.metadata["doc"]))
+        shown = "" if default is None else REDACTED if f.metadata["secret"] else str(default)
+        rows.append((ENV_PREFIX + f.metadata["env"], shown, f.metadata["doc"]))
     return rows

@@ -1,7 +1,9 @@
-"""Kafka client helpers: one place for producer settings, topic creation and offset look-ups.
+"""Kafka client helpers: one place for connection and producer settings, topic creation and offset look-ups.
 
 The Python side uses confluent-kafka (librdkafka): its producer reaches the simulator's backlog target
-where a pure-Python client cannot. Spark reads Kafka through its own Java connector.
+where a pure-Python client cannot. Spark reads Kafka through its own Java connector. Both get their
+connection and security settings here (``client_config``, ``spark_kafka_options``), from the same typed
+settings, so a secured cluster is configured once for every client.
 """
 
 from __future__ import annotations
@@ -11,15 +13,84 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from iotmon.config import Settings
+from iotmon.config import ConfigError, Settings
+
+# The JAAS login module of each SASL mechanism, for the Java client's ``sasl.jaas.config``.
+JAAS_LOGIN_MODULES = {
+    "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+    "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+    "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
+}
 
 
 class KafkaUnavailable(RuntimeError):
     """The configured brokers did not answer; the message says what to do."""
 
 
-def _client_config(settings: Settings) -> dict[str, Any]:
-    return {"bootstrap.servers": settings.kafka_bootstrap}
+def _uses_sasl(settings: Settings) -> bool:
+    return settings.kafka_security_protocol.startswith("SASL_")
+
+
+def _uses_ssl(settings: Settings) -> bool:
+    return settings.kafka_security_protocol in ("SSL", "SASL_SSL")
+
+
+def sasl_credentials(settings: Settings) -> tuple[str, str]:
+    """User name and password of a SASL protocol; a clear error (without the password) if one is missing."""
+    if not settings.kafka_sasl_username or settings.kafka_sasl_password is None:
+        raise ConfigError(
+            f"IOTMON_KAFKA_SECURITY_PROTOCOL={settings.kafka_security_protocol} needs IOTMON_KAFKA_SASL_USERNAME "
+            "and IOTMON_KAFKA_SASL_PASSWORD"
+        )
+    return settings.kafka_sasl_username, settings.kafka_sasl_password.reveal()
+
+
+def jaas_quote(value: str) -> str:
+    """A JAAS option value: double-quoted, with backslashes and quotes escaped."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def jaas_config(module: str, username: str, password: str) -> str:
+    """A one-line JAAS configuration, the Java client's ``sasl.jaas.config``."""
+    return f"{module} required username={jaas_quote(username)} password={jaas_quote(password)};"
+
+
+def client_config(settings: Settings) -> dict[str, Any]:
+    """Connection and security settings of every confluent-kafka (librdkafka) client of the project."""
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "security.protocol": settings.kafka_security_protocol.lower(),
+    }
+    if _uses_sasl(settings):
+        username, password = sasl_credentials(settings)
+        config.update(
+            {"sasl.mechanisms": settings.kafka_sasl_mechanism, "sasl.username": username, "sasl.password": password}
+        )
+    if _uses_ssl(settings) and settings.kafka_ssl_ca_location:
+        config["ssl.ca.location"] = settings.kafka_ssl_ca_location
+    return config
+
+
+def spark_kafka_options(settings: Settings) -> dict[str, str]:
+    """The same connection as ``client_config``, as options of Spark's Kafka source (Java client, ``kafka.``).
+
+    The JAAS line carries the password; Spark masks it in plans and UIs through
+    ``spark.sql.redaction.options.regex`` (set in ``iotmon.spark``).
+    """
+    options = {
+        "kafka.bootstrap.servers": settings.kafka_bootstrap,
+        "kafka.security.protocol": settings.kafka_security_protocol,
+    }
+    if _uses_sasl(settings):
+        username, password = sasl_credentials(settings)
+        options["kafka.sasl.mechanism"] = settings.kafka_sasl_mechanism
+        options["kafka.sasl.jaas.config"] = jaas_config(
+            JAAS_LOGIN_MODULES[settings.kafka_sasl_mechanism], username, password
+        )
+    if _uses_ssl(settings) and settings.kafka_ssl_ca_location:
+        options["kafka.ssl.truststore.type"] = "PEM"
+        options["kafka.ssl.truststore.location"] = settings.kafka_ssl_ca_location
+    return options
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
@@ -29,7 +100,7 @@ def producer_config(settings: Settings) -> dict[str, Any]:
     client publishes it.
     """
     return {
-        **_client_config(settings),
+        **client_config(settings),
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": 20,
@@ -48,7 +119,7 @@ def make_producer(settings: Settings, **extra: Any) -> Producer:
 
 
 def admin(settings: Settings) -> AdminClient:
-    return AdminClient(_client_config(settings))
+    return AdminClient(client_config(settings))
 
 
 def ensure_topic(settings: Settings, timeout: float = 30.0) -> int:
@@ -77,7 +148,7 @@ def ensure_topic(settings: Settings, timeout: float = 30.0) -> int:
 
 def partition_offsets(settings: Settings, timeout: float = 30.0) -> dict[int, tuple[int, int]]:
     """Low and high watermark of every partition of the readings topic: the records Kafka holds."""
-    consumer = Consumer({**_client_config(settings), "group.id": "iotmon-verify", "enable.auto.commit": False})
+    consumer = Consumer({**client_config(settings), "group.id": "iotmon-verify", "enable.auto.commit": False})
     try:
         metadata = consumer.list_topics(settings.topic, timeout=timeout)
         topic = metadata.topics.get(settings.topic)

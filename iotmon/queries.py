@@ -127,7 +127,7 @@ def run_until_idle(
             while not query.awaitTermination(report_every):
                 print(progress_line(query), file=out, flush=True)
         except StreamingQueryException as exc:
-            raise QueryFailed(f"query {spec.name} failed: {explain(exc)}") from exc
+            raise QueryFailed(f"query {spec.name} failed: {settings.redact(explain(exc))}") from exc
         rows[spec.name] = sum(p["numInputRows"] for p in query.recentProgress)
         print(
             f"{spec.name:<12} drained {rows[spec.name]:,} rows in {time.monotonic() - started:.1f}s",
@@ -176,7 +176,7 @@ def run_continuously(
                 if query.isActive:
                     continue
                 error = query.exception()
-                reason = explain(error) if error is not None else "stopped"
+                reason = settings.redact(explain(error)) if error is not None else "stopped"
                 if spec.waiting_for(spark, settings) is not None:
                     del queries[spec.name]
                     start_when_ready(spec, ended=f"query ended ({reason})")

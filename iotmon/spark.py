@@ -12,6 +12,11 @@ from pyspark.sql import SparkSession
 from iotmon.config import Settings
 from iotmon.jars import resolve, spark_extras_bundle
 
+LOOPBACK_IP = "127.0.0.1"
+# Spark's default ``(?i)url`` plus the Kafka client's secret-bearing options (``spark.redaction.regex``,
+# ``(?i)secret|password|token|access[.]?key``, applies on top).
+SPARK_OPTIONS_REDACTION = r"(?i)url|sasl\.jaas\.config|sasl\.password|ssl\.key\.password|ssl\.keystore\.password"
+
 
 def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
     """Get or create the process's Spark session.
@@ -21,9 +26,10 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
     stateful query fixes them into its checkpoint at first run.
     """
     jars = resolve(settings, spark_extras_bundle())
-    if settings.spark_master.startswith("local"):
-        # Keep the driver and its UI on loopback.
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    local = settings.spark_master.startswith("local")
+    if local:
+        # Keep the driver and its UI on loopback (the UI binds to SPARK_LOCAL_IP, else to every address).
+        os.environ.setdefault("SPARK_LOCAL_IP", LOOPBACK_IP)
         # Python workers (pandas UDFs, transformWithStateInPandas) default to `python3` on PATH, which
         # outside an activated venv lacks pandas and pyarrow; run them with this interpreter instead.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -42,6 +48,9 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
         .config("spark.sql.warehouse.dir", str((settings.home / "warehouse").absolute()))
         .config("spark.ui.enabled", str(settings.spark_ui).lower())
         .config("spark.ui.showConsoleProgress", "false")
+        # Spark masks options whose key or value matches these in plans, UIs and logs; the Kafka source's
+        # JAAS line (it holds the SASL password) is named explicitly rather than left to a value match.
+        .config("spark.sql.redaction.options.regex", SPARK_OPTIONS_REDACTION)
         .config("spark.sql.streaming.metricsEnabled", "true")
         # RocksDB keeps state off the JVM heap (transformWithState requires it); the changelog makes a
         # state commit write only what changed. Both are fixed into a stateful query's checkpoint.
@@ -53,6 +62,9 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
         # Not optimizeWrite/autoCompact: measured to cost 3-4x the whole bronze batch here (an extra
         # shuffle and a compaction job per commit); compaction belongs in a maintenance job instead.
     )
+    if local:
+        # The driver's RPC endpoint and block manager: loopback, whatever the host name resolves to.
+        builder = builder.config("spark.driver.bindAddress", LOOPBACK_IP).config("spark.driver.host", LOOPBACK_IP)
     # PySpark replaces the SIGINT handler with one that cancels every running job and raises
     # KeyboardInterrupt. A stream stops between batches instead (the handler its command installed), so
     # whatever handler was there before the session comes back.

@@ -16,7 +16,7 @@ from pyspark.sql import functions as F
 
 from iotmon.cli import main
 from iotmon.config import Settings
-from iotmon.kafka import ensure_topic, make_producer
+from iotmon.kafka import ensure_topic, make_producer, spark_kafka_options
 from iotmon.ops import install_progress_recorder, read_run_file, run_file_path
 from iotmon.schema import QUERY_PROGRESS
 from iotmon.status import table_status
@@ -159,7 +159,7 @@ def test_kafka_lag_is_recorded_until_the_topic_is_drained(
     try:
         query = (
             spark.readStream.format("kafka")
-            .option("kafka.bootstrap.servers", isolated.kafka_bootstrap)
+            .options(**spark_kafka_options(isolated))
             .option("subscribe", isolated.topic)
             .option("startingOffsets", "earliest")
             .option("maxOffsetsPerTrigger", 80)

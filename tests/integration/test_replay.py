@@ -20,6 +20,7 @@ from pyspark.sql import SparkSession
 from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
 from iotmon.cli import main
 from iotmon.config import Settings
+from iotmon.kafka import client_config
 from iotmon.queries import run_until_idle
 from iotmon.schema import DEVICES, DEVICES_SCHEMA, LIVE_WINDOWS, METRIC_NAMES, QUARANTINE, REQUIRED_FIELDS, SILVER
 from simulators.fleet import arrow_schema
@@ -68,9 +69,7 @@ def _replay(settings: Settings, monkeypatch: pytest.MonkeyPatch, *args: str) -> 
 
 def _consume(settings: Settings, expected: int, timeout: float = 60.0) -> list[Any]:
     """Every record of the topic, read from the start of each partition."""
-    consumer = Consumer(
-        {"bootstrap.servers": settings.kafka_bootstrap, "group.id": "replay-test", "enable.auto.commit": False}
-    )
+    consumer = Consumer({**client_config(settings), "group.id": "replay-test", "enable.auto.commit": False})
     try:
         partitions = consumer.list_topics(settings.topic, timeout=30).topics[settings.topic].partitions
         consumer.assign([TopicPartition(settings.topic, p, 0) for p in partitions])

@@ -61,3 +61,11 @@ def test_web_services_publish_their_port_on_loopback_only() -> None:
         host_ip, host_port, container_port = mapping.split(":")
         assert host_ip == "127.0.0.1", f"{name} is published to this machine only"
         assert int(container_port) == args.port and int(host_port) == args.port
+
+
+def test_only_the_web_uis_are_published_and_the_broker_listens_inside_the_network() -> None:
+    published = {name for name, service in COMPOSE["services"].items() if service.get("ports")}
+    assert published == {"dashboard", "mlflow"}
+    kafka = COMPOSE["services"]["kafka"]["environment"]
+    # Every address inside its container (an empty host), stated explicitly, so the app containers reach it.
+    assert all(listener.split("://")[1].startswith(":") for listener in kafka["KAFKA_LISTENERS"].split(","))
