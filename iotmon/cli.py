@@ -232,6 +232,7 @@ def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> 
 
 
 def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
+    from iotmon.preflight import require_writable
     from iotmon.spark import spark_session
     from iotmon.status import stream_process
     from streaming.backfill import backfill
@@ -242,8 +243,6 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
         raise CommandError(
             f"the stream is running (pid {running.pid}); stop it first, backfill replaces its checkpoints"
         )
-    from iotmon.preflight import require_writable
-
     require_writable(settings, "lake", "checkpoints")
     spark = spark_session(settings, "iotmon-backfill")
     ensure_analytics_tables(spark, settings)

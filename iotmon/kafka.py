@@ -13,7 +13,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from iotmon.config import Settings
 
-ANSWER_TIMEOUT_SECONDS = 5.0
+ANSWER_TIMEOUT_SECONDS = 10.0
 """How long a first metadata request may take: a live broker answers in milliseconds, and a wrong
 ``IOTMON_KAFKA_BOOTSTRAP`` should be reported in seconds, not after retrying for minutes."""
 
