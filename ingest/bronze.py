@@ -104,20 +104,20 @@ def _errors(value: Column, raw: Column, typed: dict[str, Column], kafka_ts: Colu
     return F.coalesce(structural, F.nullif(F.concat_ws(", ", *field_problems), F.lit("")))
 
 
-def _json_object(text: Column) -> Column:
-    """The payload's one JSON object as raw field texts; null unless the whole text is exactly one object.
+def _in_array(text: Column) -> Column:
+    """The payload parsed inside ``[...]``: exactly one element when it is one JSON value and nothing more.
 
-    ``from_json`` alone stops after the first value, so ``{...}{...}`` or ``{...} junk`` would pass. Parsed
-    inside ``[...]`` anything after the object is an error, or a second element, except text starting with
-    ``]``; those few payloads (normal readings hold no ``]``) are parsed once more inside ``{"v": ...}``,
-    where a ``]`` after the object is an error.
+    ``from_json`` alone stops after the first value, so ``{...}{...}`` or ``{...} junk`` would pass; inside
+    ``[...]`` anything after the value is an error or a second element, except text that starts with ``]``.
     """
-    in_array = F.from_json(
-        F.concat(F.lit("["), text, F.lit("]")), ArrayType(RAW_PAYLOAD_SCHEMA), {"mode": "PERMISSIVE"}
-    )
+    return F.from_json(F.concat(F.lit("["), text, F.lit("]")), ArrayType(RAW_PAYLOAD_SCHEMA), {"mode": "PERMISSIVE"})
+
+
+def _closed(text: Column) -> Column:
+    """False for the text ``_in_array`` misses (``{...}] junk``): parsed inside ``{"v": ...}``, a ``]`` after
+    the object is an error. Only payloads holding a ``]`` pay for this second parse; readings hold none."""
     in_object = F.from_json(F.concat(F.lit('{"v":'), text, F.lit("}")), "v string", {"mode": "PERMISSIVE"})
-    closed = ~text.contains("]") | in_object["v"].isNotNull()
-    return F.when((F.size(in_array) == 1) & closed, in_array[0])
+    return ~text.contains("]") | in_object["v"].isNotNull()
 
 
 def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
@@ -129,9 +129,12 @@ def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
     batch that never committed is recomputed as a whole.
     """
     value = F.col("value")
-    raw = F.when(F.octet_length(value) <= rules.max_payload_bytes, _json_object(value.cast("string")))
     # Each step is its own projection so the JSON parse and the typed casts run once per record.
-    with_raw = kafka_records.withColumn("_raw", raw)
+    parsed = kafka_records.withColumn(
+        "_values", F.when(F.octet_length(value) <= rules.max_payload_bytes, _in_array(value.cast("string")))
+    )
+    one_object = F.when(F.size("_values") == 1, F.when(_closed(value.cast("string")), F.col("_values")[0]))
+    with_raw = parsed.withColumn("_raw", one_object)
     typed_names = {name: f"_typed_{name}" for name in READING_COLUMNS.fieldNames()}
     with_typed = with_raw.withColumns(
         {typed_names[name]: column for name, column in _typed_fields(F.col("_raw")).items()}

@@ -35,7 +35,7 @@ def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _one_line_error(process: subprocess.Popen, timeout: float = 60) -> str:
+def _one_line_error(process: subprocess.Popen, timeout: float = 300) -> str:
     """The single line a failed command printed on stderr, after checking it failed as a config error should."""
     out, err = process.communicate(timeout=timeout)
     assert process.returncode == EXIT_ERROR, (process.returncode, out, err)
