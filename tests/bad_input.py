@@ -24,9 +24,10 @@ ANY_REASON = "*"
 """``Record.expected`` of bytes nobody designed: any known reason will do (or a valid reading, if it is one)."""
 
 DEVICE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-ISO_TIME_PATTERN = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})?")
-NUMBER_PATTERN = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
-INTEGER_PATTERN = re.compile(r"\s*[+-]?\d{1,19}\s*")
+# re.ASCII: Java's \d, which Spark uses, is ASCII only; Python's also takes other scripts' digits.
+ISO_TIME_PATTERN = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})?", re.ASCII)
+NUMBER_PATTERN = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*", re.ASCII)
+INTEGER_PATTERN = re.compile(r"\s*[+-]?\d{1,19}\s*", re.ASCII)
 LONG_MIN, LONG_MAX = -(2**63), 2**63 - 1
 
 
