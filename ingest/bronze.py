@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import StringType, StructField, StructType
+from pyspark.sql.types import ArrayType
 
 from iotmon.config import Settings
 from iotmon.schema import (
@@ -23,11 +23,23 @@ from iotmon.schema import (
 )
 
 BRONZE_STAGE = "bronze"
-_CORRUPT = "_corrupt_record"
+PARSE_ERROR_CODES: tuple[str, ...] = (
+    "empty_payload",
+    "oversized_payload",
+    "invalid_utf8",
+    "invalid_json",
+    "missing_field",
+    "mistyped_field",
+    "non_finite",
+    "absurd_event_time",
+)
+"""What ``parse_error`` lists (``code`` or ``code:detail``): the first four alone, the others per field."""
 _DEVICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
-# A fresh StructType: ``StructType.add`` would mutate the shared contract in place.
-_RAW_SCHEMA_WITH_CORRUPT = StructType([*RAW_PAYLOAD_SCHEMA.fields, StructField(_CORRUPT, StringType())])
 _INFINITIES = (float("inf"), float("-inf"))
+# What a number may look like, in JSON or in a JSON string: Spark's cast alone also takes "21.5d" or "7L".
+_INTEGER_PATTERN = r"^\s*[+-]?\d{1,19}\s*$"
+_DECIMAL_PATTERN = r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$"
+_NON_FINITE_PATTERN = r"^\s*[+-]?(?i:nan|inf|infinity)\s*$"
 _ISO_TIMESTAMP_PATTERN = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})?$"
 
 
@@ -52,11 +64,12 @@ def _typed_fields(raw: Column) -> dict[str, Column]:
     """
     typed = {
         DEVICE_ID: F.when(raw[DEVICE_ID].rlike(_DEVICE_ID_PATTERN), raw[DEVICE_ID]),
-        SEQ: raw[SEQ].try_cast("bigint"),
+        SEQ: F.when(raw[SEQ].rlike(_INTEGER_PATTERN), raw[SEQ].try_cast("bigint")),
         EVENT_TIME: F.when(raw[EVENT_TIME].rlike(_ISO_TIMESTAMP_PATTERN), raw[EVENT_TIME].try_cast("timestamp")),
     }
     for name in METRIC_NAMES:
-        typed[name] = F.btrim(raw[name], F.lit('"')).try_cast("double")
+        text = F.btrim(raw[name], F.lit('"'))
+        typed[name] = F.when(text.rlike(_DECIMAL_PATTERN) | text.rlike(_NON_FINITE_PATTERN), text.try_cast("double"))
     return typed
 
 
@@ -67,7 +80,7 @@ def _errors(value: Column, raw: Column, typed: dict[str, Column], kafka_ts: Colu
         F.when(value.isNull() | (size == 0), F.lit("empty_payload"))
         .when(size > rules.max_payload_bytes, F.concat(F.lit("oversized_payload:"), size.cast("string")))
         .when(~F.is_valid_utf8(value.cast("string")), F.lit("invalid_utf8"))
-        .when(raw.isNull() | raw[_CORRUPT].isNotNull(), F.lit("invalid_json"))
+        .when(raw.isNull(), F.lit("invalid_json"))
     )
     field_problems = [
         F.when(raw[name].isNull(), F.lit(f"missing_field:{name}")).when(
@@ -91,6 +104,22 @@ def _errors(value: Column, raw: Column, typed: dict[str, Column], kafka_ts: Colu
     return F.coalesce(structural, F.nullif(F.concat_ws(", ", *field_problems), F.lit("")))
 
 
+def _in_array(text: Column) -> Column:
+    """The payload parsed inside ``[...]``: exactly one element when it is one JSON value and nothing more.
+
+    ``from_json`` alone stops after the first value, so ``{...}{...}`` or ``{...} junk`` would pass; inside
+    ``[...]`` anything after the value is an error or a second element, except text that starts with ``]``.
+    """
+    return F.from_json(F.concat(F.lit("["), text, F.lit("]")), ArrayType(RAW_PAYLOAD_SCHEMA), {"mode": "PERMISSIVE"})
+
+
+def _closed(text: Column) -> Column:
+    """False for the text ``_in_array`` misses (``{...}] junk``): parsed inside ``{"v": ...}``, a ``]`` after
+    the object is an error. Only payloads holding a ``]`` pay for this second parse; readings hold none."""
+    in_object = F.from_json(F.concat(F.lit('{"v":'), text, F.lit("}")), "v string", {"mode": "PERMISSIVE"})
+    return ~text.contains("]") | in_object["v"].isNotNull()
+
+
 def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
     """Kafka source rows (key, value, topic, partition, offset, timestamp) -> rows of ``BRONZE_SCHEMA``.
 
@@ -100,13 +129,12 @@ def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
     batch that never committed is recomputed as a whole.
     """
     value = F.col("value")
-    options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT}
-    raw = F.when(
-        F.octet_length(value) <= rules.max_payload_bytes,
-        F.from_json(value.cast("string"), _RAW_SCHEMA_WITH_CORRUPT, options),
-    )
     # Each step is its own projection so the JSON parse and the typed casts run once per record.
-    with_raw = kafka_records.withColumn("_raw", raw)
+    parsed = kafka_records.withColumn(
+        "_values", F.when(F.octet_length(value) <= rules.max_payload_bytes, _in_array(value.cast("string")))
+    )
+    one_object = F.when(F.size("_values") == 1, F.when(_closed(value.cast("string")), F.col("_values")[0]))
+    with_raw = parsed.withColumn("_raw", one_object)
     typed_names = {name: f"_typed_{name}" for name in READING_COLUMNS.fieldNames()}
     with_typed = with_raw.withColumns(
         {typed_names[name]: column for name, column in _typed_fields(F.col("_raw")).items()}

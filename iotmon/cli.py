@@ -93,9 +93,12 @@ def _simulation_options(args: argparse.Namespace) -> SimulationOptions:
 
 
 def cmd_simulate(settings: Settings, args: argparse.Namespace) -> int:
+    from iotmon.preflight import require_writable
     from simulators.publish import run_simulation
 
-    summary = run_simulation(settings, _simulation_options(args))
+    options = _simulation_options(args)
+    require_writable(settings, "lake", "home")  # the device registry, the ground-truth file
+    summary = run_simulation(settings, options)
     print(summary.report())
     return 0 if summary.failed == 0 else EXIT_MISMATCH
 
@@ -149,10 +152,12 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
     from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
     from iotmon.kafka import ensure_topic
     from iotmon.ops import install_progress_recorder
+    from iotmon.preflight import require_writable
     from iotmon.queries import run_continuously, run_until_idle
     from iotmon.spark import spark_session
     from streaming.jobs import ANALYTICS_QUERIES, EventClock, ensure_analytics_tables
 
+    require_writable(settings, "lake", "checkpoints", "home")
     ensure_topic(settings)
     spark = spark_session(settings, "iotmon-stream")
     ensure_archive_tables(spark, settings)
@@ -184,15 +189,25 @@ def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
     from delta.tables import DeltaTable
 
     from ingest.verify import reconcile
+    from iotmon.kafka import require_broker
+    from iotmon.preflight import local_directory
     from iotmon.schema import BRONZE, QUARANTINE, SILVER
     from iotmon.spark import spark_session
     from streaming.verify import reconcile_analytics
 
+    def no_table(table: str) -> CommandError:
+        return CommandError(f"no {table} table at {settings.table_path(table)}; run `iotmon stream` first")
+
     truth = _truth_files(settings, args.truth, args.all_truth)
+    for table in (BRONZE, QUARANTINE):  # local tables and the broker are checked before Spark starts
+        local = local_directory(settings.table_path(table))
+        if local is not None and not (local / "_delta_log").is_dir():
+            raise no_table(table)
+    require_broker(settings)
     spark = spark_session(settings, "iotmon-verify")
     for table in (BRONZE, QUARANTINE):
         if not DeltaTable.isDeltaTable(spark, settings.table_path(table)):
-            raise CommandError(f"no {table} table at {settings.table_path(table)}; run `iotmon stream` first")
+            raise no_table(table)
     result = reconcile(spark, settings, truth)
     print(result.report())
     problems = list(result.problems)
@@ -217,6 +232,7 @@ def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> 
 
 
 def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
+    from iotmon.preflight import require_writable
     from iotmon.spark import spark_session
     from iotmon.status import stream_process
     from streaming.backfill import backfill
@@ -227,6 +243,7 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
         raise CommandError(
             f"the stream is running (pid {running.pid}); stop it first, backfill replaces its checkpoints"
         )
+    require_writable(settings, "lake", "checkpoints")
     spark = spark_session(settings, "iotmon-backfill")
     ensure_analytics_tables(spark, settings)
     print(backfill(spark, settings).report())
@@ -238,10 +255,14 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     """Once, or every ``--every`` until stopped; a failed run is reported and leaves the champion as it was."""
+    from iotmon.preflight import require_writable
     from iotmon.spark import spark_session
     from ml.features import FeatureSpec
     from ml.model import ModelParams
     from ml.train import TrainingError, TrainOptions, archive_extent, train
+
+    if settings.mlflow_tracking_uri is None:
+        require_writable(settings, "home")  # the local MLflow store
 
     def truth() -> tuple[Path, ...]:
         from simulators.truth import available_truth

@@ -7,8 +7,10 @@ local lake, or against a Kafka cluster, a Spark master and an object store, by e
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,10 +35,25 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError("expected one of true/false/1/0/yes/no/on/off")
 
 
+def _number(parse: Callable[[str], T], raw: str) -> T:
+    """``int``/``float`` with a message for people ("expected a number"), not Python's own."""
+    try:
+        return parse(raw)
+    except ValueError:
+        raise ValueError(f"expected {'an integer' if parse is int else 'a number'}") from None
+
+
 def _parse_positive_int(raw: str) -> int:
-    value = int(raw)
+    value = _number(int, raw)
     if value <= 0:
         raise ValueError("expected a positive integer")
+    return value
+
+
+def _parse_non_negative_int(raw: str) -> int:
+    value = _number(int, raw)
+    if value < 0:
+        raise ValueError("expected an integer of 0 or more")
     return value
 
 
@@ -47,14 +64,55 @@ def _parse_optional_positive_int(raw: str) -> int | None:
 
 
 def _parse_port(raw: str) -> int:
-    value = int(raw)
+    value = _number(int, raw)
     if not 0 < value < 65536:
         raise ValueError("expected a TCP port between 1 and 65535")
     return value
 
 
+def _parse_percentage(raw: str) -> float:
+    value = _number(float, raw)
+    if not 0.0 <= value <= 100.0:  # also rejects nan
+        raise ValueError("expected a percentage between 0 and 100")
+    return value
+
+
+def _parse_memory(raw: str) -> str:
+    """A JVM memory size such as ``512m`` or ``3g``, as both ``-Xmx`` and Spark read it."""
+    if not re.fullmatch(r"[1-9][0-9]*[kKmMgGtT]?", raw.strip()):
+        raise ValueError("expected a size such as 512m or 3g")
+    return raw.strip()
+
+
+def _parse_utc_time(raw: str) -> str:
+    """An ISO-8601 time such as ``2000-01-01T00:00:00Z``, returned unchanged for Spark to cast."""
+    text = raw.strip()
+    try:
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})?)?", text):
+            raise ValueError
+        datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError("expected an ISO-8601 time such as 2000-01-01T00:00:00Z") from None
+    return text
+
+
+def _parse_bootstrap(raw: str) -> str:
+    """Comma-separated ``host:port`` servers (a ``PROTOCOL://`` prefix allowed)."""
+    for server in raw.split(","):
+        host, _, port = server.strip().rpartition(":")
+        if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("expected host:port[,host:port...], e.g. 127.0.0.1:9092")
+    return raw.strip()
+
+
+def _parse_topic(raw: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", raw):
+        raise ValueError("expected a Kafka topic name: 1-249 of letters, digits, '.', '_', '-'")
+    return raw
+
+
 def _parse_fraction(raw: str) -> float:
-    value = float(raw)
+    value = _number(float, raw)
     if not 0.0 < value < 0.5:
         raise ValueError("expected a fraction between 0 and 0.5, e.g. 0.01")
     return value
@@ -64,9 +122,16 @@ def _parse_interval(raw: str) -> str:
     """Validate a Spark interval such as ``5 seconds`` or ``2 minutes`` and return it unchanged."""
     parts = raw.strip().split()
     units = {"second", "seconds", "minute", "minutes", "hour", "hours", "millisecond", "milliseconds"}
-    if len(parts) != 2 or not parts[0].isdigit() or parts[1].lower() not in units:
+    if len(parts) != 2 or not re.fullmatch(r"[0-9]+", parts[0]) or parts[1].lower() not in units:
         raise ValueError("expected '<number> seconds|minutes|hours', e.g. '5 seconds'")
     return raw.strip()
+
+
+def _parse_positive_interval(raw: str) -> str:
+    interval = _parse_interval(raw)
+    if interval_seconds(interval) <= 0:
+        raise ValueError("expected a length above zero, e.g. '1 minute'")
+    return interval
 
 
 def interval_seconds(interval: str) -> float:
@@ -136,12 +201,12 @@ class Settings:
     checkpoints: str | None = _setting(
         "CHECKPOINTS", None, str, "Root of streaming checkpoints (default: $IOTMON_HOME/checkpoints)."
     )
-    kafka_bootstrap: str = _setting("KAFKA_BOOTSTRAP", "127.0.0.1:9092", str, "Kafka bootstrap servers.")
+    kafka_bootstrap: str = _setting("KAFKA_BOOTSTRAP", "127.0.0.1:9092", _parse_bootstrap, "Kafka bootstrap servers.")
     kafka_controller_port: int = _setting(
-        "KAFKA_CONTROLLER_PORT", 9093, _parse_positive_int, "Controller port of the embedded broker."
+        "KAFKA_CONTROLLER_PORT", 9093, _parse_port, "Controller port of the embedded broker."
     )
-    kafka_heap: str = _setting("KAFKA_HEAP", "512m", str, "Java heap of the embedded broker.")
-    topic: str = _setting("TOPIC", "iotmon.readings", str, "Topic the sensors publish to.")
+    kafka_heap: str = _setting("KAFKA_HEAP", "512m", _parse_memory, "Java heap of the embedded broker.")
+    topic: str = _setting("TOPIC", "iotmon.readings", _parse_topic, "Topic the sensors publish to.")
     topic_partitions: int = _setting(
         "TOPIC_PARTITIONS", 4, _parse_positive_int, "Partitions of the readings topic when iotmon creates it."
     )
@@ -174,7 +239,7 @@ class Settings:
         "PEM file of the CA that signed the brokers' certificates (SSL, SASL_SSL; default: each client's own CAs).",
     )
     spark_master: str = _setting("SPARK_MASTER", "local[2]", str, "Spark master URL.")
-    spark_driver_memory: str = _setting("SPARK_DRIVER_MEMORY", "3g", str, "Spark driver memory.")
+    spark_driver_memory: str = _setting("SPARK_DRIVER_MEMORY", "3g", _parse_memory, "Spark driver memory.")
     spark_ui: bool = _setting("SPARK_UI", True, _parse_bool, "Serve Spark's web UI (on loopback, port 4040 up).")
     shuffle_partitions: int = _setting(
         "SHUFFLE_PARTITIONS", 4, _parse_positive_int, "spark.sql.shuffle.partitions (fixed into checkpoints)."
@@ -191,7 +256,9 @@ class Settings:
     max_clock_skew_seconds: int = _setting(
         "MAX_CLOCK_SKEW_SECONDS", 86_400, _parse_positive_int, "How far event time may lead the Kafka timestamp."
     )
-    min_event_time: str = _setting("MIN_EVENT_TIME", "2000-01-01T00:00:00Z", str, "Earliest plausible event time.")
+    min_event_time: str = _setting(
+        "MIN_EVENT_TIME", "2000-01-01T00:00:00Z", _parse_utc_time, "Earliest plausible event time."
+    )
     watermark: str = _setting(
         "WATERMARK", "2 minutes", _parse_interval, "How late a reading may arrive and still update its window."
     )
@@ -201,17 +268,25 @@ class Settings:
         _parse_interval,
         "Delay (Kafka time - event time) from which silver marks a reading late.",
     )
-    window: str = _setting("WINDOW", "1 minute", _parse_interval, "Length of the tumbling windows.")
-    sliding_window: str = _setting("SLIDING_WINDOW", "5 minutes", _parse_interval, "Length of the sliding windows.")
-    slide: str = _setting("SLIDE", "1 minute", _parse_interval, "How often a sliding window starts.")
+    window: str = _setting("WINDOW", "1 minute", _parse_positive_interval, "Length of the tumbling windows.")
+    sliding_window: str = _setting(
+        "SLIDING_WINDOW", "5 minutes", _parse_positive_interval, "Length of the sliding windows."
+    )
+    slide: str = _setting("SLIDE", "1 minute", _parse_positive_interval, "How often a sliding window starts.")
     session_gap: str = _setting(
-        "SESSION_GAP", "1 minute", _parse_interval, "Silence (event time) that ends a device's activity session."
+        "SESSION_GAP",
+        "1 minute",
+        _parse_positive_interval,
+        "Silence (event time) that ends a device's activity session.",
     )
     offline_after: str = _setting(
-        "OFFLINE_AFTER", "1 minute", _parse_interval, "Silence (event time) after which a device counts as offline."
+        "OFFLINE_AFTER",
+        "1 minute",
+        _parse_positive_interval,
+        "Silence (event time) after which a device counts as offline.",
     )
     low_battery: float = _setting(
-        "LOW_BATTERY", 15.0, float, "Battery percentage below which a reporting device counts as degraded."
+        "LOW_BATTERY", 15.0, _parse_percentage, "Battery percentage below which a reporting device counts as degraded."
     )
     idle_tick_after: str = _setting(
         "IDLE_TICK_AFTER",
@@ -245,14 +320,14 @@ class Settings:
         "Event time without anomalies after which a device's open alert is cleared.",
     )
     query_restarts: int = _setting(
-        "QUERY_RESTARTS", 5, int, "Times `iotmon stream` restarts a failed query before giving up."
+        "QUERY_RESTARTS", 5, _parse_non_negative_int, "Times `iotmon stream` restarts a failed query before giving up."
     )
     dashboard_host: str = _setting(
         "DASHBOARD_HOST", "127.0.0.1", str, "Address `iotmon dashboard` listens on (loopback: this machine only)."
     )
     dashboard_port: int = _setting("DASHBOARD_PORT", 8050, _parse_port, "Port `iotmon dashboard` listens on.")
     dashboard_refresh: str = _setting(
-        "DASHBOARD_REFRESH", "5 seconds", _parse_interval, "How often the dashboard page re-reads the lake."
+        "DASHBOARD_REFRESH", "5 seconds", _parse_positive_interval, "How often the dashboard page re-reads the lake."
     )
     dashboard_lookback: str = _setting(
         "DASHBOARD_LOOKBACK",

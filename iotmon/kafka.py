@@ -22,6 +22,10 @@ JAAS_LOGIN_MODULES = {
     "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
 }
 
+ANSWER_TIMEOUT_SECONDS = 10.0
+"""How long a first metadata request may take: a live broker answers in milliseconds, and a wrong
+``IOTMON_KAFKA_BOOTSTRAP`` should be reported in seconds, not after retrying for minutes."""
+
 
 class KafkaUnavailable(RuntimeError):
     """The configured brokers did not answer; the message says what to do."""
@@ -93,6 +97,21 @@ def spark_kafka_options(settings: Settings) -> dict[str, str]:
     return options
 
 
+def _unavailable(settings: Settings, exc: KafkaException) -> KafkaUnavailable:
+    return KafkaUnavailable(
+        f"Kafka at {settings.kafka_bootstrap} did not answer ({exc.args[0].str() if exc.args else exc}). "
+        "Start the embedded broker with `iotmon kafka start` or set IOTMON_KAFKA_BOOTSTRAP."
+    )
+
+
+def require_broker(settings: Settings, timeout: float = ANSWER_TIMEOUT_SECONDS) -> None:
+    """Raise ``KafkaUnavailable`` unless a bootstrap server answers a metadata request within ``timeout``."""
+    try:
+        admin(settings).list_topics(timeout=timeout)
+    except KafkaException as exc:
+        raise _unavailable(settings, exc) from None
+
+
 def producer_config(settings: Settings) -> dict[str, Any]:
     """Idempotent, batched producer: no duplicates from retries, per-partition order kept.
 
@@ -119,19 +138,17 @@ def make_producer(settings: Settings, **extra: Any) -> Producer:
 
 
 def admin(settings: Settings) -> AdminClient:
-    return AdminClient(client_config(settings))
+    """Errors arrive as exceptions; librdkafka's own log lines (one per failed connect) would only repeat them."""
+    return AdminClient({**client_config(settings), "log_level": 0})
 
 
 def ensure_topic(settings: Settings, timeout: float = 30.0) -> int:
     """Create the readings topic if it is missing; returns its partition count."""
     client = admin(settings)
     try:
-        metadata = client.list_topics(timeout=timeout)
+        metadata = client.list_topics(timeout=min(timeout, ANSWER_TIMEOUT_SECONDS))
     except KafkaException as exc:
-        raise KafkaUnavailable(
-            f"Kafka at {settings.kafka_bootstrap} did not answer ({exc}). "
-            "Start the embedded broker with `iotmon kafka start` or set IOTMON_KAFKA_BOOTSTRAP."
-        ) from None
+        raise _unavailable(settings, exc) from None
     existing = metadata.topics.get(settings.topic)
     if existing is not None and existing.error is None:
         return len(existing.partitions)
@@ -162,6 +179,6 @@ def partition_offsets(settings: Settings, timeout: float = 30.0) -> dict[int, tu
             result[partition] = (low, high)
         return result
     except KafkaException as exc:
-        raise KafkaUnavailable(f"Kafka at {settings.kafka_bootstrap} did not answer: {exc}") from None
+        raise _unavailable(settings, exc) from None
     finally:
         consumer.close()
