@@ -10,7 +10,6 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 
 from iotmon.config import Settings
-from tests.support import PROJECT_ROOT, free_port
+from tests.support import PROJECT_ROOT, free_port, isolated_settings
 
 
 def _docker_engine_available() -> bool:
@@ -77,14 +76,7 @@ def spark(base_settings: Settings):
 @pytest.fixture
 def isolated(kafka: Settings, tmp_path: Path) -> Settings:
     """Settings with a topic, lake and checkpoints of this test's own, on the shared broker."""
-    return dataclasses.replace(
-        kafka,
-        topic=f"test-{uuid.uuid4().hex[:10]}",
-        lake=str(tmp_path / "lake"),
-        checkpoints=str(tmp_path / "checkpoints"),
-        home=tmp_path,
-        cache_dir=kafka.cache,
-    )
+    return isolated_settings(kafka, tmp_path)
 
 
 @pytest.fixture

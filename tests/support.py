@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,18 @@ def with_own_broker(settings: Settings, home: Path, **overrides: Any) -> Setting
         kafka_bootstrap=f"127.0.0.1:{free_port()}",
         kafka_controller_port=free_port(),
         **overrides,
+    )
+
+
+def isolated_settings(kafka: Settings, home: Path) -> Settings:
+    """A topic, lake and checkpoints of their own under ``home``, on the shared broker."""
+    return dataclasses.replace(
+        kafka,
+        topic=f"test-{uuid.uuid4().hex[:10]}",
+        lake=str(home / "lake"),
+        checkpoints=str(home / "checkpoints"),
+        home=home,
+        cache_dir=kafka.cache,
     )
 
 
