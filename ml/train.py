@@ -31,6 +31,8 @@ from ml.model import ModelParams, anomaly_pipeline, anomaly_scores
 MIN_READINGS = 1_000
 MIN_SPAN_HISTORIES = 4
 """Event time silver must span, in feature histories: most training readings then have a full history."""
+LOG_STEP = "logging the run and the model to MLflow"
+"""The progress line of the step that writes to MLflow (run, model, registry, alias): where a crash hurts most."""
 
 
 class TrainingError(RuntimeError):
@@ -199,7 +201,7 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
     if champion is not None and "f1" in metrics:
         champion_metrics = _evaluate_champion(settings, champion, silver, featured, split, labels, spec)
     promoted, decision = _decide(metrics, champion, champion_metrics, options.promote)
-    step("log", "logging the run and the model to MLflow")
+    step("log", LOG_STEP)
     client = registry.tracking(settings)
     with mlflow.start_run(experiment_id=registry.experiment_id(settings)) as run:
         mlflow.log_params(
