@@ -41,7 +41,7 @@ DRIVER_ONLY = "driver only"
 QUERIES = (BRONZE, QUARANTINE, SILVER, DEVICE_WINDOWS, LIVE_WINDOWS, DEVICE_STATUS, ANOMALIES, ALERTS)
 MODEL_QUERIES = (ANOMALIES, ALERTS)
 """Queries that only have batches once a champion exists: chosen as kill moments only then."""
-IN_FLIGHT_PATIENCE_S = 120.0
+IN_FLIGHT_PATIENCE_S = 300.0
 """How long a kill waits for a batch of its query; then it lands anyway (a slow start is a moment too)."""
 ORPHAN_PATIENCE_S = 30.0
 """How long a Spark JVM orphaned by a driver-only kill may take to exit by itself before it is killed."""
