@@ -257,6 +257,7 @@ class ChaosRun:
         self.trainer: Group | None = None
         self.trainer_thread: threading.Thread | None = None
         self.trainer_error: BaseException | None = None
+        self.stale_runs: set[str] = set()
         self.broker_started = False
 
     # --- plumbing ------------------------------------------------------------------------------------------
@@ -456,6 +457,7 @@ class ChaosRun:
             log = self.logs / "trainer.log"
             every = f"{self.options.retrain_every_s:g} seconds"
             seen = 0
+            self.stale_runs = self._unfinished_runs()  # left by an earlier run's kills, if this home saw one
             while not self.stopping.is_set():
                 self.trainer = self.spawn("trainer", "train", "--every", every)
                 while not self.stopping.is_set():
@@ -475,25 +477,31 @@ class ChaosRun:
             self.trainer_error = exc
             self.stopping.set()
 
+    def _unfinished_runs(self) -> set[str]:
+        """Training runs MLflow holds as RUNNING: the one being written, and those of killed trainers."""
+        from ml import registry
+
+        client = registry.tracking(self.settings)
+        return {
+            r.info.run_id
+            for r in client.search_runs([registry.experiment_id(self.settings)], "attributes.status = 'RUNNING'")
+        }
+
     def _kill_trainer(self, log_step: int) -> None:
         """SIGKILL the trainer at a random moment after its run is open in MLflow (the step logs params,
         metrics, the model, registers a version, tags it and may move the alias: about two seconds)."""
         from ml import registry
 
         assert self.trainer is not None
-        client = registry.tracking(self.settings)
-        experiment = registry.experiment_id(self.settings)
-
-        def unfinished() -> set[str]:
-            return {r.info.run_id for r in client.search_runs([experiment], "attributes.status = 'RUNNING'")}
-
-        before = unfinished()
-        opened = self.wait(lambda: unfinished() - before, 30.0)
+        # Runs left open by earlier kills are known; the run may have opened before this looked.
+        opened = self.wait(lambda: self._unfinished_runs() - self.stale_runs, 30.0)
         delay = self.trainer_rng.uniform(0.0, 0.6)
         time.sleep(delay)
         self.trainer.kill()
         self.trainer.make_gone()
-        killed = sorted(unfinished() - before)
+        killed = sorted(self._unfinished_runs() - self.stale_runs)
+        self.stale_runs.update(killed)
+        client = registry.tracking(self.settings)
         versions = [int(v.version) for run_id in killed for v in client.search_model_versions(f"run_id = '{run_id}'")]
         champion, problems = self._check_champion()
         moment = f"{delay:.2f}s after it opened run {', '.join(killed)}" if opened else "(its run was not seen open)"
