@@ -46,7 +46,8 @@ IN_FLIGHT_PATIENCE_S = 300.0
 ORPHAN_PATIENCE_S = 30.0
 """How long a Spark JVM orphaned by a driver-only kill may take to exit by itself before it is killed."""
 TRAINER_PATIENCE_S = 900.0
-"""After the stream kills, how long the run waits for the trainer kills still planned."""
+"""After the stream kills, how long the run waits for the trainer kills still planned without the trainer
+making progress (a new step line); at most three times as long in all."""
 STOP_PATIENCE_S = 180.0
 DRAIN_PATIENCE_S = 3600.0
 POLL_S = 0.05
@@ -333,7 +334,7 @@ class ChaosRun:
         if self._trainer_kills() < options.trainer_kills:
             self.say("chaos: stream kills done; the stream runs on until the trainer has been killed mid-write")
             stream = self.spawn("stream", "stream")
-            self.wait(lambda: self._trainer_kills() >= options.trainer_kills or self.trainer_error, TRAINER_PATIENCE_S)
+            self._wait_for_trainer_kills()
             if not stream.stop(signal.SIGTERM, STOP_PATIENCE_S):
                 self.mismatch("the last stream run did not stop on SIGTERM")
         self.stopping.set()
@@ -350,6 +351,22 @@ class ChaosRun:
         self._drain_and_reconcile()
         self.report.seconds = round(self.elapsed(), 1)
         return self.report
+
+    def _wait_for_trainer_kills(self) -> None:
+        """While the trainer makes progress (a loaded machine makes it slow), until the planned kills landed."""
+        from ml.train import STEP_PREFIX
+
+        log = self.logs / "trainer.log"
+        started = last_progress = time.monotonic()
+        steps = _count(log, STEP_PREFIX)
+        while self._trainer_kills() < self.options.trainer_kills and self.trainer_error is None:
+            now = time.monotonic()
+            if now - last_progress > TRAINER_PATIENCE_S or now - started > 3 * TRAINER_PATIENCE_S:
+                return
+            if (current := _count(log, STEP_PREFIX)) != steps:
+                steps, last_progress = current, now
+            if self.stopping.wait(1.0):
+                return
 
     def _shortfalls(self) -> None:
         counts, options = self.report.counts(), self.options

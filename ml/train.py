@@ -31,6 +31,8 @@ from ml.model import ModelParams, anomaly_pipeline, anomaly_scores
 MIN_READINGS = 1_000
 MIN_SPAN_HISTORIES = 4
 """Event time silver must span, in feature histories: most training readings then have a full history."""
+STEP_PREFIX = "train: "
+"""Each step's progress line starts so (stderr): a supervisor can tell a working trainer from a stuck one."""
 LOG_STEP = "logging the run and the model to MLflow"
 """The progress line of the step that writes to MLflow (run, model, registry, alias): where a crash hurts most."""
 
@@ -145,7 +147,7 @@ class _Steps:
 
     def __call__(self, name: str, message: str) -> None:
         self.finish()
-        print(f"train: {message}", file=self.out, flush=True)
+        print(f"{STEP_PREFIX}{message}", file=self.out, flush=True)
         self.current, self.started = name, time.monotonic()
 
     def finish(self) -> None:
