@@ -526,6 +526,35 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
             print("stopped the kafka broker the demo started", flush=True)
 
 
+# --- chaos -------------------------------------------------------------------------------------------------
+
+
+def cmd_chaos(settings: Settings, args: argparse.Namespace) -> int:
+    """Faults at seeded random moments under a live fleet, then drain and reconcile; 0 only if all exact."""
+    from bench.chaos import ChaosError, ChaosOptions, run_chaos
+
+    options = ChaosOptions(
+        kills=args.kills,
+        broker_restarts=args.broker_restarts,
+        trainer_kills=args.trainer_kills,
+        seed=args.seed,
+        devices=args.devices,
+        rate=args.rate,
+        retrain_every_s=args.retrain_every,
+    )
+    try:
+        options.validate()
+    except ValueError as exc:
+        raise CommandError(f"{exc} (see `iotmon chaos --help`)") from None
+    # SIGTERM ends the run like Ctrl-C: every process it started is killed, the broker stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        report = run_chaos(settings, options)
+    except ChaosError as exc:
+        raise CommandError(str(exc)) from None
+    return 0 if report.exact else EXIT_MISMATCH
+
+
 # --- parser ------------------------------------------------------------------------------------------------
 
 
@@ -703,6 +732,43 @@ def build_parser() -> argparse.ArgumentParser:
     reset = command("reset", cmd_reset, "delete the lake, checkpoints and truth files (they go together)")
     reset.add_argument("--kafka", action="store_true", help="also delete the embedded broker's data")
     reset.add_argument("--models", action="store_true", help="also delete the local MLflow runs and models")
+    from bench.chaos import ChaosOptions
+
+    chaos = command(
+        "chaos",
+        cmd_chaos,
+        "SIGKILL the stream, restart the broker, kill the trainer mid-write under a live fleet; reconcile exactly",
+    )
+    chaos.add_argument(
+        "--kills", type=int, default=ChaosOptions.kills, help=f"stream SIGKILLs (default {ChaosOptions.kills})"
+    )
+    chaos.add_argument(
+        "--broker-restarts",
+        type=int,
+        default=ChaosOptions.broker_restarts,
+        help=f"broker restarts under a running stream (default {ChaosOptions.broker_restarts})",
+    )
+    chaos.add_argument(
+        "--trainer-kills",
+        type=int,
+        default=ChaosOptions.trainer_kills,
+        help=f"trainer SIGKILLs while it writes to MLflow (default {ChaosOptions.trainer_kills})",
+    )
+    chaos.add_argument(
+        "--seed", type=int, default=ChaosOptions.seed, help="random seed of the faults and the fleet (default 1)"
+    )
+    chaos.add_argument(
+        "--devices", type=int, default=ChaosOptions.devices, help=f"fleet size (default {ChaosOptions.devices})"
+    )
+    chaos.add_argument(
+        "--rate", type=float, default=ChaosOptions.rate, help=f"events/s (default {ChaosOptions.rate:g})"
+    )
+    chaos.add_argument(
+        "--retrain-every",
+        type=_seconds,
+        default=ChaosOptions.retrain_every_s,
+        help=f"how often the trainer runs, e.g. '2 minutes' (default {ChaosOptions.retrain_every_s:g} seconds)",
+    )
     demo = command(
         "demo",
         cmd_demo,

@@ -106,6 +106,28 @@ def champion(settings: Settings) -> ModelRef | None:
     return model_ref(settings, int(found.version))
 
 
+def champion_problems(settings: Settings) -> tuple[ModelRef | None, list[str]]:
+    """The champion and why it could not be served; no problems when the alias points at a complete version
+    (registered, tagged, artifacts loadable) or at nothing yet. A trainer killed while writing must leave the
+    alias on a complete version: it moves only after the model and its tags are in. Needs a Spark session."""
+    from mlflow.exceptions import MlflowException
+
+    client = tracking(settings)
+    try:
+        found = client.get_model_version_by_alias(settings.model_name, CHAMPION)
+    except MlflowException:
+        return None, []
+    label = f"{CHAMPION} alias -> {settings.model_name} v{found.version}"
+    if found.status != "READY":
+        return None, [f"{label}, whose registration is {found.status}"]
+    try:
+        ref = model_ref(settings, int(found.version))
+        load_pipeline(settings, ref)
+    except ModelUnusable as exc:
+        return None, [f"{label}, which cannot be served: {exc}"]
+    return ref, []
+
+
 def promote(settings: Settings, version: int) -> None:
     tracking(settings).set_registered_model_alias(settings.model_name, CHAMPION, str(version))
 

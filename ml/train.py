@@ -31,6 +31,10 @@ from ml.model import ModelParams, anomaly_pipeline, anomaly_scores
 MIN_READINGS = 1_000
 MIN_SPAN_HISTORIES = 4
 """Event time silver must span, in feature histories: most training readings then have a full history."""
+STEP_PREFIX = "train: "
+"""Each step's progress line starts so (stderr): a supervisor can tell a working trainer from a stuck one."""
+LOG_STEP = "logging the run and the model to MLflow"
+"""The progress line of the step that writes to MLflow (run, model, registry, alias): where a crash hurts most."""
 
 
 class TrainingError(RuntimeError):
@@ -143,7 +147,7 @@ class _Steps:
 
     def __call__(self, name: str, message: str) -> None:
         self.finish()
-        print(f"train: {message}", file=self.out, flush=True)
+        print(f"{STEP_PREFIX}{message}", file=self.out, flush=True)
         self.current, self.started = name, time.monotonic()
 
     def finish(self) -> None:
@@ -199,7 +203,7 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
     if champion is not None and "f1" in metrics:
         champion_metrics = _evaluate_champion(settings, champion, silver, featured, split, labels, spec)
     promoted, decision = _decide(metrics, champion, champion_metrics, options.promote)
-    step("log", "logging the run and the model to MLflow")
+    step("log", LOG_STEP)
     client = registry.tracking(settings)
     with mlflow.start_run(experiment_id=registry.experiment_id(settings)) as run:
         mlflow.log_params(

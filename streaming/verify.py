@@ -9,7 +9,8 @@ This is the exactly-once check of the analytics stage, used by ``iotmon verify``
 * the live table equals the batch tumbling windows for every window the stream has seen;
 * ``anomalies`` holds each silver reading once, scored as the model version it names scores it in a batch
   job over all of silver (no training/serving skew, no duplicate), and every reading is scored once a
-  champion exists; ``alerts`` holds each incident once.
+  champion exists; ``alerts`` holds each incident once;
+* the ``champion`` alias points at a complete model version (tags, loadable artifacts), or at nothing yet.
 
 Float statistics are compared with a relative tolerance: summation order differs between a stream and a
 batch job.
@@ -57,6 +58,7 @@ class AnalyticsCheck:
     watermark: datetime | None = None
     rows_checked: dict[str, int] = field(default_factory=dict)
     alerts: int = 0
+    champion: registry.ModelRef | None = None
     problems: list[str] = field(default_factory=list)
 
     def report(self) -> str:
@@ -66,6 +68,8 @@ class AnalyticsCheck:
             f"{table:<20} {count:,} rows equal their batch recomputation" for table, count in self.rows_checked.items()
         ]
         lines.append(f"{ALERTS:<20} {self.alerts:,} incidents")
+        if self.champion is not None:
+            lines.append(f"champion     {self.champion.name} v{self.champion.version}: tagged, artifacts load")
         lines += [f"MISMATCH     {problem}" for problem in self.problems]
         lines.append("analytics    OK" if not self.problems else f"analytics    {len(self.problems)} problem(s)")
         return "\n".join(lines)
@@ -189,6 +193,8 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     check.alerts = alerts.count()
     if repeated:
         check.problems.append(f"{ALERTS}: {repeated} incidents written more than once")
+    check.champion, problems = registry.champion_problems(settings)
+    check.problems += problems
     return check
 
 

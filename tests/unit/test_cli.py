@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,28 @@ def test_a_bad_sql_statement_is_one_clear_line(
     assert main(["sql", "SELECT no_such_column"]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert err.startswith("error: [UNRESOLVED_COLUMN") and len(err.strip().splitlines()) == 1
+
+
+def test_chaos_refuses_a_broker_it_cannot_restart(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("IOTMON_KAFKA_BOOTSTRAP", "kafka.example.com:9092")
+    assert main(["chaos"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "is not a broker chaos can restart" in err and "Traceback" not in err
+
+
+def test_chaos_refuses_a_port_someone_else_listens_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        monkeypatch.setenv("IOTMON_KAFKA_BOOTSTRAP", f"127.0.0.1:{other.getsockname()[1]}")
+        assert main(["chaos"]) == EXIT_ERROR
+    assert "something chaos did not start listens on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_chaos_checks_its_options(capsys: pytest.CaptureFixture) -> None:
+    assert main(["chaos", "--kills", "2", "--broker-restarts", "3"]) == EXIT_ERROR
+    assert "--broker-restarts must be between 0 and --kills" in capsys.readouterr().err

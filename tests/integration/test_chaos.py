@@ -1,0 +1,78 @@
+"""``iotmon chaos``, short: a few stream kills, a broker restart and a trainer kill, then an exact reconciliation."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.chaos import BROKER_RESTART, STREAM_KILL, TRAINER_KILL, ChaosOptions, run_chaos
+from iotmon import broker
+from iotmon.config import Settings
+from iotmon.schema import ANOMALIES, BRONZE, SILVER
+from ml import registry
+from tests.support import with_own_broker
+
+pytestmark = pytest.mark.integration
+
+
+def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings, tmp_path: Path, spark) -> None:
+    # A broker of the test's own, which chaos restarts; small batches and a short feature history, so that the
+    # trainer has its first model within a minute of readings.
+    own = with_own_broker(
+        isolated,
+        tmp_path / "home",
+        max_offsets_per_trigger=2_000,
+        trigger_interval="1 seconds",
+        feature_history="10 seconds",
+    )
+    options = ChaosOptions(
+        kills=3,
+        broker_restarts=1,
+        trainer_kills=1,
+        seed=4,
+        devices=40,
+        rate=80.0,
+        retrain_every_s=15.0,
+        max_delay_s=20.0,
+    )
+    out = io.StringIO()
+    report = run_chaos(own, options, out)
+    printed = out.getvalue()
+
+    assert report.exact, printed
+    assert "RESULT: exact" in printed
+    # The faults really happened: three stream kills, one broker restart under a running stream, and a trainer
+    # killed while its MLflow run was open.
+    counts = report.counts()
+    assert counts[STREAM_KILL] == 3 and counts[BROKER_RESTART] == 1, printed
+    assert printed.count("SIGKILL stream (") == 3
+    mid_write = [f for f in report.faults if f.kind == TRAINER_KILL and f.facts["mid_write"]]
+    assert len(mid_write) == 1, printed
+    facts = mid_write[0].facts
+    assert facts["killed_runs"] and not facts["champion_problems"]
+    # The champion after the kill is a complete version from a finished run, not the killed one.
+    assert facts["champion_version"] is not None and facts["champion_run"] not in facts["killed_runs"]
+    assert facts["champion_version"] not in facts["killed_versions"]
+    champion, problems = registry.champion_problems(own)
+    assert champion is not None and not problems
+
+    # Every table was checked, against something non-empty.
+    checked = report.checked
+    assert checked[BRONZE] == checked["kafka records"] > 1_000
+    assert checked["ground truth sends"] >= checked[BRONZE]  # a send may fail while the broker restarts
+    assert 0 < checked[SILVER] <= checked[BRONZE] and checked[ANOMALIES] == checked[SILVER]
+    # The JSON report for the benchmark docs.
+    (written,) = (own.home / "chaos").glob("chaos-*.json")
+    assert json.loads(written.read_text())["exact"] is True
+
+    # Nothing it started is left: no broker, no process of any child's group.
+    assert not broker.status(own).running
+    groups = [pid for pids in report.process_groups.values() for pid in pids]
+    assert len(report.process_groups["stream"]) >= 3 and report.process_groups["trainer"]
+    for pid in groups:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
