@@ -27,7 +27,7 @@ from iotmon.config import Settings
 from iotmon.kafka import ensure_topic
 from simulators.publish import write_device_registry
 
-CATCH_UP_MIN_S = 120.0
+CATCH_UP_MIN_S = 300.0
 
 
 def simulator_command(
