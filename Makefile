@@ -6,13 +6,14 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help demo test lint unit integration setup browser dashboard clean
+.PHONY: help demo test lint unit integration setup browser dashboard bench clean
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo   run the demo: broker, live fleet, stream, trainer, dashboard, MLflow UI (Ctrl-C drains and reconciles)"
 	@echo "make test   lint and run every test against a real Kafka broker, Spark and Delta"
 	@echo "make dashboard   the ops dashboard on http://127.0.0.1:8050/ alone (make demo starts one too)"
+	@echo "make bench  measure this machine: ceilings, pipeline throughput, latency, scale, training cost (about 10 minutes)"
 	@echo "make unit | integration | lint | setup | browser | clean"
 
 $(STAMP): pyproject.toml
@@ -31,6 +32,9 @@ demo: setup
 
 dashboard: setup
 	$(BIN)/iotmon dashboard $(ARGS)
+
+bench: setup
+	$(BIN)/iotmon bench $(ARGS)
 
 # Debian's chromium and chromium-driver for the dashboard's browser test (apt-get; nothing if present).
 browser:

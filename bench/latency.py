@@ -7,6 +7,13 @@ pipeline's hot path.
 
 Only on-time readings count (silver's ``lateness``): the simulator holds late readings back on purpose,
 and their delay is the sensor's, not the pipeline's.
+
+A window row is measured from the window's end to the commit holding the row (``window_latency``). Not from
+the newest event in it: the row does not carry that time, and the window's end is the moment its last
+on-time reading could at the earliest have happened, so the figure is what a dashboard user waits after a
+minute closes. A final window (``device_windows``) is written only once the watermark has passed its end,
+so its figure includes ``IOTMON_WATERMARK`` by design; the live table (``device_windows_live``) is MERGEd at
+every batch, and its row's latest commit is measured (a row still open at its window's end can be negative).
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from pyspark.sql.types import StringType, StructField, StructType
 
 from iotmon.config import Settings
 from iotmon.lake import list_files
-from iotmon.schema import ANOMALIES, BRONZE, DEVICE_ID, EVENT_TIME, ON_TIME, SEQ, SILVER
+from iotmon.schema import ANOMALIES, BRONZE, DEVICE_ID, DEVICE_WINDOWS, EVENT_TIME, LIVE_WINDOWS, ON_TIME, SEQ, SILVER
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
+WINDOW_TABLES: tuple[str, ...] = (DEVICE_WINDOWS, LIVE_WINDOWS)
+WINDOW_END = "window_end"
 
 _LOG_SCHEMA = StructType([StructField("add", StructType([StructField("path", StringType())]))])
 
@@ -33,6 +42,11 @@ class Latency:
     rows: int
     seconds: tuple[float, ...]
     """The percentiles of ``QUANTILES``, in seconds; empty when no row matched."""
+
+    def to_dict(self) -> dict[str, float | int | str | None]:
+        named = {f"p{round(q * 100)}_s": None for q in QUANTILES}
+        named.update({f"p{round(q * 100)}_s": round(s, 3) for q, s in zip(QUANTILES, self.seconds, strict=False)})
+        return {"table": self.table, "rows": self.rows, **named}
 
 
 def commit_times(spark: SparkSession, table_path: str) -> DataFrame:
@@ -83,6 +97,18 @@ def measure(spark: SparkSession, settings: Settings, since: datetime, until: dat
         percentiles(visibility_latency(rows, commit_times(spark, settings.table_path(name)), reference), name)
         for name, rows, reference in measured
     ]
+
+
+def window_latency(
+    spark: SparkSession, settings: Settings, table: str, since: datetime, until: datetime | None = None
+) -> Latency:
+    """Window end -> commit of the row, for windows ending in ``[since, until)`` (see the module docstring)."""
+    rows = with_data_file(spark.read.format("delta").load(settings.table_path(table)))
+    in_range = F.col(WINDOW_END) >= F.lit(since)
+    if until is not None:
+        in_range = in_range & (F.col(WINDOW_END) <= F.lit(until))
+    commits = commit_times(spark, settings.table_path(table))
+    return percentiles(visibility_latency(rows.where(in_range), commits, WINDOW_END), table)
 
 
 def render(results: list[Latency]) -> str:

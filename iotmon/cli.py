@@ -359,6 +359,50 @@ def cmd_latency(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+# --- bench -----------------------------------------------------------------------------------------------
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, e.g. '1000,10000,100000'."""
+    try:
+        values = tuple(int(part.replace("_", "")) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers, e.g. 1000,10000, not {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers, not {text!r}")
+    return values
+
+
+def cmd_bench(settings: Settings, args: argparse.Namespace) -> int:
+    """Every measurement in one run on the embedded stack; the user's lake, topic and models are not touched."""
+    from bench.report import render
+    from bench.run import BenchOptions, run_bench
+
+    options = BenchOptions(
+        events=args.events,
+        devices=args.devices,
+        scale=args.scale,
+        scale_events=args.scale_events,
+        train_sizes=args.train_sizes,
+        steady_seconds=args.steady_seconds,
+        fraction=args.fraction,
+        steady_rate=args.steady_rate,
+        seed=args.seed,
+        out=args.out,
+        skip=frozenset(args.skip),
+    )
+    try:
+        options.validate()
+    except ValueError as exc:
+        raise CommandError(f"{exc} (see `iotmon bench --help`)") from None
+    report, out = run_bench(settings, options)
+    print(render(report))
+    print(f"report: {out / 'report.json'}\nplot:   {out / 'report.png'}")
+    return 0
+
+
 # --- status ----------------------------------------------------------------------------------------------
 
 
@@ -667,6 +711,67 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected '<number> seconds|minutes|hours', not {text!r}") from None
 
 
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.report import PARTS
+    from bench.run import BenchOptions as Defaults
+
+    def sizes(values: tuple[int, ...]) -> str:
+        return ",".join(str(v) for v in values)
+
+    parser.add_argument(
+        "--events",
+        type=int,
+        default=Defaults.events,
+        help=f"backlog for ceilings and drain (default {Defaults.events})",
+    )
+    parser.add_argument(
+        "--devices", type=int, default=Defaults.devices, help=f"fleet size (default {Defaults.devices})"
+    )
+    parser.add_argument(
+        "--scale",
+        type=_positive_ints,
+        default=Defaults.scale,
+        metavar="N,N,...",
+        help=f"fleet sizes of the scale phase (default {sizes(Defaults.scale)})",
+    )
+    parser.add_argument(
+        "--scale-events",
+        type=int,
+        default=Defaults.scale_events,
+        help=f"backlog per fleet size (default {Defaults.scale_events})",
+    )
+    parser.add_argument(
+        "--train-sizes",
+        type=_positive_ints,
+        default=Defaults.train_sizes,
+        metavar="N,N,...",
+        help=f"archive sizes (readings) to time training on (default {sizes(Defaults.train_sizes)})",
+    )
+    parser.add_argument(
+        "--steady-seconds",
+        type=float,
+        default=Defaults.steady_seconds,
+        help=f"real-time publishing in the steady phase (default {Defaults.steady_seconds:g})",
+    )
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=Defaults.fraction,
+        help=f"steady rate as a share of the drain's sustained rate (default {Defaults.fraction:g})",
+    )
+    parser.add_argument("--steady-rate", type=float, help="steady rate in events/s (instead of --fraction)")
+    parser.add_argument("--seed", type=int, default=Defaults.seed, help=f"simulator seed (default {Defaults.seed})")
+    parser.add_argument("--out", type=Path, help="output directory (default $IOTMON_HOME/bench/<timestamp>)")
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=PARTS,
+        metavar="PART",
+        help=f"leave out a part: {', '.join(PARTS)}",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="iotmon",
@@ -715,6 +820,9 @@ def build_parser() -> argparse.ArgumentParser:
     latency = command("latency", cmd_latency, "event-to-Delta-commit latency percentiles of bronze, silver, anomalies")
     latency.add_argument("--since", type=_utc_time, help="events from this UTC time, e.g. 2026-11-22T10:00:00")
     latency.add_argument("--last", type=_seconds, default=600.0, help="else the last DURATION (default 10 minutes)")
+    _add_bench_arguments(
+        command("bench", cmd_bench, "measure ceilings, pipeline throughput, latency, scale and training cost")
+    )
     status = command("status", cmd_status, "is the stream running, its queries' last progress, the lake's tables")
     status.add_argument("--json", action="store_true", help="the same as JSON, for scripts and dashboards")
     dashboard = command(

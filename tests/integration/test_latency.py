@@ -36,3 +36,24 @@ def test_rows_take_the_time_of_the_commit_that_added_them(spark: SparkSession, t
     summary = percentiles(latencies, "table")
     assert summary.rows == 5
     assert summary.seconds[0] == pytest.approx(sorted(expected)[2], abs=1e-3)
+
+
+def test_a_window_row_is_measured_from_the_window_end(spark: SparkSession, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from bench.latency import window_latency
+    from iotmon.config import Settings
+    from iotmon.schema import LIVE_WINDOWS
+
+    settings = replace(Settings(), lake=str(tmp_path))
+    path = settings.table_path(LIVE_WINDOWS)
+    ends = [T0 + dt.timedelta(minutes=m) for m in (1, 2, 3)]
+    frame = spark.createDataFrame(
+        [(end - dt.timedelta(minutes=1), end) for end in ends], "window_start timestamp, window_end timestamp"
+    )
+    frame.write.format("delta").save(path)
+    committed = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").first()["timestamp"]
+
+    measured = window_latency(spark, settings, LIVE_WINDOWS, since=ends[1])
+    assert measured.rows == 2  # the window ending before `since` is left out
+    assert measured.seconds[0] == pytest.approx((committed - ends[2]).total_seconds(), abs=1e-3)

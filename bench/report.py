@@ -1,0 +1,217 @@
+"""The benchmark's outputs: the JSON report, the figures as a readable table, and one PNG of four charts.
+
+The report is a plain dict with one section per phase (``SECTIONS``); a skipped phase's section says so
+(``{"skipped": true}``), so a reader or a script never guesses whether a figure is missing or zero.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bench.stats import Target, ratio
+
+SECTIONS: tuple[str, ...] = ("machine", "settings", "model", "ceilings", "drain", "steady", "scale", "training")
+PARTS: tuple[str, ...] = ("ceilings", "drain", "steady", "scale", "training")
+"""Phases ``--skip`` may leave out (machine, settings and the model are always there)."""
+SKIPPED: dict[str, Any] = {"skipped": True}
+TARGET_EVENTS_PER_S = 100_000.0
+TARGET_CEILING_SHARE = 0.6
+TARGET_BRONZE_P99_S = 2.0
+TARGET_STEADY_RATE = 20_000.0
+GIB = 1024**3
+MIB = 1024**2
+
+
+def _ran(section: Any) -> bool:
+    return isinstance(section, Mapping) and not section.get("skipped")
+
+
+def targets(report: Mapping[str, Any]) -> list[Target]:
+    """The issue's targets for 2 cores against the report's figures (None where a phase did not run)."""
+    drain, ceilings, steady = report.get("drain"), report.get("ceilings"), report.get("steady")
+    sustained = drain["events_per_s"] if _ran(drain) else None
+    ceiling = ceilings["spark_noop"]["events_per_s"] if _ran(ceilings) else None
+    bronze_p99, note = None, ""
+    if _ran(steady):
+        bronze = next((row for row in steady["latency"] if row["table"] == "bronze"), None)
+        bronze_p99 = bronze["p99_s"] if bronze else None
+        note = f"measured at {steady['rate']:,.0f} events/s"
+    return [
+        Target("sustained end to end", ">= 100k events/s", sustained, TARGET_EVENTS_PER_S),
+        Target(
+            "share of Spark's Kafka->noop ceiling",
+            ">= 0.6",
+            ratio(sustained, ceiling),
+            TARGET_CEILING_SHARE,
+        ),
+        Target("p99 event->bronze", "<= 2 s at 20k events/s", bronze_p99, TARGET_BRONZE_P99_S, True, note),
+    ]
+
+
+def write_json(report: Mapping[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def _bytes(value: float | None, unit: int = MIB, suffix: str = "MiB") -> str:
+    return "-" if value is None else f"{value / unit:,.0f} {suffix}"
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def render(report: Mapping[str, Any]) -> str:
+    """Every figure of the report as aligned text for the terminal."""
+    lines: list[str] = []
+    machine = report["machine"]
+    lines.append(
+        f"machine: {machine['cores']} cores ({machine['usable_cores']} usable), "
+        f"{_bytes(machine['memory_bytes'], GIB, 'GiB')} memory, load {machine.get('load_average')}, "
+        f"Spark {machine['pyspark']} {machine['spark_master']}, {machine.get('java') or 'java ?'}"
+    )
+    ceilings = report["ceilings"]
+    if _ran(ceilings):
+        lines.append("ceilings (same topic)                         records      seconds     events/s")
+        rows = [
+            ("simulator publish (backlog)", ceilings["publish"]),
+            ("Kafka consumer (confluent-kafka)", ceilings["consumer"]),
+            ("Spark Kafka -> noop, cold", ceilings["spark_noop_cold"]),
+            ("Spark Kafka -> noop, warm (the ceiling)", ceilings["spark_noop"]),
+        ]
+        for name, row in rows:
+            records = row.get("records", row.get("sent"))
+            lines.append(f"  {name:<42}{_num(records):>10} {row['seconds']:>10.2f} {_num(row['events_per_s']):>12}")
+    drain = report["drain"]
+    if _ran(drain):
+        lines.append(f"full pipeline draining a backlog, {drain['mode']}")
+        for q in drain["queries"]:
+            state = "skipped (not ready)" if q["skipped"] else f"{_num(q['rows_per_s']):>10} rows/s"
+            lines.append(f"  {q['name']:<22}{_num(q['rows']):>12} rows {q['seconds']:>8.1f}s {state}")
+        lines.append(
+            f"  {'whole path':<22}{_num(drain['events']):>12} evts {drain['seconds']:>8.1f}s "
+            f"{_num(drain['events_per_s']):>10} events/s = {_num(drain.get('ceiling_share'), 3)} x Spark's ceiling"
+        )
+    steady = report["steady"]
+    if _ran(steady):
+        lines.append(
+            f"steady state at {steady['rate']:,.0f} events/s for {steady['seconds']:g}s ({steady['mode']}); "
+            f"{'caught up' if steady['caught_up'] else 'NOT caught up: ' + ', '.join(steady['behind'])}"
+        )
+        lines.append(f"  {'latency to':<22}{'rows':>10}{'p50':>10}{'p95':>10}{'p99':>10}")
+        for row in steady["latency"]:
+            cells = "".join(f"{_num(row[k], 2) + 's':>10}" for k in ("p50_s", "p95_s", "p99_s"))
+            lines.append(f"  {row['table']:<22}{_num(row['rows']):>10}{cells}")
+    scale = report["scale"]
+    if _ran(scale):
+        lines.append(f"scale ({scale['mode']}): devices, events, events/s, driver RSS peak (JVM + Python)")
+        for point in scale["points"]:
+            memory = point["memory"]
+            lines.append(
+                f"  {point['devices']:>8,} devices {point['events']:>10,} events {_num(point['events_per_s']):>8}/s "
+                f"JVM {_bytes(memory.get('jvm_rss_bytes'))}, Python {_bytes(memory.get('python_rss_bytes'))}"
+                + ("" if point["caught_up"] else f"  NOT caught up: {', '.join(point['behind'])}")
+            )
+            for q in point["state"]:
+                bounded = {True: "bounded", False: "GROWING", None: "too few batches to tell"}[q["state_bounded"]]
+                rows = f"{_num(q['state_rows_last']):>10} (max {_num(q['state_rows_max'])})"
+                lines.append(
+                    f"      {q['name']:<20} state rows {rows},"
+                    f" memory {_bytes(q['state_memory_bytes_max'])}, disk {_bytes(q['state_disk_bytes'])}, {bounded}"
+                )
+    training = report["training"]
+    if _ran(training):
+        lines.append("training cost (iotmon train)")
+        for run in training["runs"]:
+            steps = ", ".join(f"{k} {v:.0f}s" for k, v in run["steps"].items())
+            lines.append(f"  {run['readings']:>12,} readings {run['seconds']:>8.1f}s  ({steps})")
+    lines.append("targets (2 cores)")
+    for target in report["targets"]:
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[target["met"]]
+        measured = _num(target["measured"], 3 if target["limit"] < 10 else 0)
+        note = f" ({target['note']})" if target["note"] else ""
+        lines.append(f"  {target['what']:<38} {target['goal']:<26} measured {measured:>10}  {verdict}{note}")
+    return "\n".join(lines)
+
+
+def plot(report: Mapping[str, Any], path: Path) -> None:
+    """Four charts: throughput, steady-state latency, scale, training cost (a skipped phase says so)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, 2, figsize=(13, 9))
+    machine = report["machine"]
+    figure.suptitle(
+        f"iotmon bench - {machine['cores']} cores, {_bytes(machine['memory_bytes'], GIB, 'GiB')} "
+        f"({report['settings']['started_at']})"
+    )
+    throughput, latency, scale, training = axes.flat
+
+    def skipped(ax: Any, title: str) -> None:
+        ax.set_title(title)
+        ax.text(0.5, 0.5, "skipped", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+
+    bars: list[tuple[str, float]] = []
+    if _ran(report["ceilings"]):
+        c = report["ceilings"]
+        bars += [("consumer", c["consumer"]["events_per_s"]), ("Spark noop", c["spark_noop"]["events_per_s"])]
+    if _ran(report["drain"]):
+        bars += [(q["name"], q["rows_per_s"]) for q in report["drain"]["queries"] if not q["skipped"]]
+        bars.append(("whole path", report["drain"]["events_per_s"]))
+    if bars:
+        throughput.barh([name for name, _ in bars], [value for _, value in bars], color="tab:blue")
+        throughput.axvline(TARGET_EVENTS_PER_S, color="tab:red", linestyle="--", label="target 100k/s")
+        throughput.set_xscale("log")
+        throughput.set_xlabel("events (rows) per second")
+        throughput.set_title("ceilings and the pipeline draining a backlog")
+        throughput.legend(loc="lower right")
+    else:
+        skipped(throughput, "throughput")
+
+    if _ran(report["steady"]):
+        rows = [r for r in report["steady"]["latency"] if r["rows"]]
+        names = [r["table"] for r in rows]
+        for offset, key in enumerate(("p50_s", "p95_s", "p99_s")):
+            positions = [i + (offset - 1) * 0.25 for i in range(len(rows))]
+            latency.bar(positions, [r[key] or 0 for r in rows], width=0.25, label=key.removesuffix("_s"))
+        latency.set_xticks(range(len(rows)), names, rotation=15)
+        latency.axhline(TARGET_BRONZE_P99_S, color="tab:red", linestyle="--", label="bronze p99 target 2 s")
+        latency.set_ylabel("seconds")
+        latency.set_title(f"steady state at {report['steady']['rate']:,.0f} events/s: latency")
+        latency.legend()
+    else:
+        skipped(latency, "steady-state latency")
+
+    if _ran(report["scale"]):
+        points = report["scale"]["points"]
+        devices = [p["devices"] for p in points]
+        states = [sum(q["state_rows_last"] or 0 for q in p["state"]) for p in points]
+        scale.plot(devices, states, marker="o", label="state rows (all queries)")
+        scale.plot(devices, [p["events_per_s"] for p in points], marker="s", label="events/s")
+        scale.plot(
+            devices, [(p["memory"].get("jvm_rss_bytes") or 0) / MIB for p in points], marker="^", label="JVM RSS MiB"
+        )
+        scale.set_xscale("log")
+        scale.set_yscale("log")
+        scale.set_xlabel("devices")
+        scale.set_title("scale")
+        scale.legend()
+    else:
+        skipped(scale, "scale")
+
+    if _ran(report["training"]):
+        runs = report["training"]["runs"]
+        training.plot([r["readings"] for r in runs], [r["seconds"] for r in runs], marker="o")
+        training.set_xlabel("readings in the archive")
+        training.set_ylabel("seconds")
+        training.set_title("training time")
+    else:
+        skipped(training, "training")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,110 @@
+"""Steady state: a real-time fleet at a fixed rate into the running pipeline, and its end-to-end latency.
+
+The simulator runs as a process of its own (as in production, and so its producer does not share this
+process's interpreter with the Spark driver), publishing with event time = wall clock. The pipeline runs
+every query at once, as ``iotmon stream`` does. Once the fleet has stopped and every query has read what its
+source holds, latency is read back from the Delta logs (``bench.latency``): event -> bronze, silver and
+anomaly rows, and window end -> window row.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+from bench.latency import WINDOW_TABLES, measure, window_latency
+from bench.progress import ProgressCollector
+from bench.throughput import Log, drain_concurrently, topic_records
+from iotmon.config import Settings
+from iotmon.kafka import ensure_topic
+from simulators.publish import write_device_registry
+
+CATCH_UP_MIN_S = 300.0
+
+
+def simulator_command(
+    settings: Settings, rate: float, seconds: float, devices: int, seed: int, truth: Path
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "iotmon.cli",
+        "simulate",
+        "--rate",
+        f"{rate:g}",
+        "--duration",
+        f"{seconds:g}",
+        "--devices",
+        str(devices),
+        "--seed",
+        str(seed),
+        "--truth",
+        str(truth),
+        "--quiet",
+    ]
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("IOTMON_")}
+    env.update(settings.to_env())
+    return env
+
+
+def steady_state(
+    spark: SparkSession,
+    settings: Settings,
+    collector: ProgressCollector,
+    rate: float,
+    seconds: float,
+    devices: int,
+    seed: int,
+    log: Log,
+) -> dict[str, Any]:
+    ensure_topic(settings)
+    # The registry first: silver joins it from its first batch (the simulator rewrites the same rows).
+    write_device_registry(settings, devices, seed)
+    truth = settings.home / "truth" / f"steady-{settings.topic}.parquet"
+    command = simulator_command(settings, rate, seconds, devices, seed, truth)
+    published = threading.Event()
+    outcome: dict[str, Any] = {}
+    since = datetime.now(UTC).replace(tzinfo=None)
+
+    def publish() -> None:
+        try:
+            started = time.monotonic()
+            done = subprocess.run(command, env=child_env(settings), capture_output=True, text=True)
+            outcome.update(returncode=done.returncode, seconds=time.monotonic() - started, output=done.stdout[-2000:])
+            if done.returncode != 0:
+                log(f"steady: the simulator failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        finally:
+            published.set()
+
+    publisher = threading.Thread(target=publish, name="iotmon-bench-fleet", daemon=True)
+    publisher.start()
+    catch_up = max(CATCH_UP_MIN_S, 2 * seconds)
+    run = drain_concurrently(spark, settings, collector, seconds + catch_up, log, until=published)
+    publisher.join()
+    until = datetime.now(UTC).replace(tzinfo=None)
+    records = topic_records(settings)
+    latencies = [*measure(spark, settings, since, until)]
+    latencies += [window_latency(spark, settings, table, since, until) for table in WINDOW_TABLES]
+    return {
+        "mode": run["mode"],
+        "rate": round(rate, 1),
+        "seconds": seconds,
+        "devices": devices,
+        "records": records,
+        "published_events_per_s": round(records / outcome["seconds"], 1) if outcome.get("seconds") else None,
+        "simulator_exit": outcome.get("returncode"),
+        "caught_up": run["caught_up"],
+        "behind": run["behind"],
+        "latency": [latency.to_dict() for latency in latencies],
+    }

@@ -1,0 +1,141 @@
+"""The machine a benchmark ran on, and how much memory the bench's processes used while it ran.
+
+Figures mean little without the machine behind them, so every report carries its cores, memory and load.
+Memory is read from Linux ``/proc`` (no extra dependency): the Python driver's resident set and the Spark
+JVM's, sampled in a background thread so each phase gets its own peak.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+SAMPLE_EVERY_S = 0.5
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """``/proc/meminfo`` as bytes per field (``MemTotal``, ``MemAvailable``, ...)."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[name.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return values
+
+
+def parse_status_rss(text: str) -> int | None:
+    """Resident set size in bytes from a ``/proc/<pid>/status`` text (its ``VmRSS`` line), None if absent."""
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            parts = line.split()
+            return int(parts[1]) * 1024
+    return None
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        return parse_status_rss(Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return None
+
+
+def java_version() -> str | None:
+    try:
+        done = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    return lines[0] if lines else None
+
+
+def machine_info(spark_master: str, meminfo: str | None = None) -> dict[str, Any]:
+    """Cores (all, and those this process may use), memory, load, and the software versions measured."""
+    if meminfo is None:
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+        except OSError:
+            meminfo = ""
+    memory = parse_meminfo(meminfo)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    import pyspark
+
+    return {
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "memory_bytes": memory.get("MemTotal"),
+        "memory_available_bytes": memory.get("MemAvailable"),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "java": java_version(),
+        "pyspark": pyspark.__version__,
+        "spark_master": spark_master,
+    }
+
+
+class MemorySampler(threading.Thread):
+    """Peak resident memory of this Python process and of the Spark JVM, per named phase."""
+
+    def __init__(self, jvm_pid: int | None, every_s: float = SAMPLE_EVERY_S) -> None:
+        super().__init__(name="iotmon-bench-memory", daemon=True)
+        self.jvm_pid = jvm_pid
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._peaks: dict[str, dict[str, int]] = {}
+        self._open: set[str] = set()
+
+    def sample(self) -> None:
+        readings = {"python_rss_bytes": rss_bytes(os.getpid())}
+        if self.jvm_pid is not None:
+            readings["jvm_rss_bytes"] = rss_bytes(self.jvm_pid)
+        with self._lock:
+            for phase in self._open:
+                peaks = self._peaks.setdefault(phase, {})
+                for key, value in readings.items():
+                    if value is not None:
+                        peaks[key] = max(peaks.get(key, 0), value)
+
+    def run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with self._lock:
+            self._open.add(name)
+        self.sample()
+        try:
+            yield
+        finally:
+            self.sample()
+            with self._lock:
+                self._open.discard(name)
+
+    def peaks(self, name: str) -> dict[str, int]:
+        """``python_rss_bytes`` and ``jvm_rss_bytes`` peaks seen during the phase (sampled every ``every_s``)."""
+        with self._lock:
+            return dict(self._peaks.get(name, {}))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def directory_bytes(path: str | Path) -> int:
+    """Bytes under a local directory (0 if missing): a state store's size on disk."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                continue
+    return total

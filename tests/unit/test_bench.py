@@ -1,0 +1,212 @@
+"""The benchmark's pure parts: percentiles, state verdicts, machine info, catch-up, report shaping and plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import report as shaping
+from bench.latency import Latency
+from bench.run import BenchOptions
+from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
+from bench.system import machine_info, parse_meminfo, parse_status_rss
+from bench.throughput import KAFKA, behind
+from bench.training import copies_and_share
+from iotmon.cli import build_parser
+
+MEMINFO = (
+    "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\nHugePages_Total:       0\n"
+)
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == pytest.approx(50.5)
+    assert percentile(values, 0.99) == pytest.approx(99.01)
+    assert percentile([3.0], 0.95) == 3.0
+    assert percentile([], 0.5) is None
+    with pytest.raises(ValueError):
+        percentile(values, 1.5)
+
+
+def test_rates_and_ratios_never_divide_by_zero() -> None:
+    assert rate(100, 4.0) == 25.0
+    assert rate(100, 0.0) == 0.0
+    assert ratio(50.0, 100.0) == 0.5
+    assert ratio(50.0, None) is None and ratio(None, 2.0) is None and ratio(1.0, 0.0) is None
+
+
+def test_state_is_bounded_when_it_stops_growing() -> None:
+    assert state_bounded([10, 50, 90, 100, 110, 100, 105, 110, 100]) is True
+    assert state_bounded([10, 20, 30, 40, 50, 60, 70, 80, 90]) is False
+    assert state_bounded([1, 2, 3]) is None
+
+
+def _progress(name: str, batch: int, rows: int, state: int | None, memory: int | None = None) -> dict:
+    return {
+        "query_name": name,
+        "query_id": "id-" + name,
+        "batch_id": batch,
+        "timestamp": f"2026-11-22T10:00:{batch:02d}Z",
+        "input_rows": rows,
+        "batch_duration_ms": 500,
+        "state_rows": state,
+        "state_memory_bytes": memory,
+    }
+
+
+def test_progress_summaries_per_query() -> None:
+    rows = [_progress("windows", b, 100, 10 * (b + 1), 1000 * (b + 1)) for b in reversed(range(3))]
+    rows += [_progress("silver", 0, 300, None)]
+    summaries = summarise_progress(rows)
+    windows = summaries["windows"]
+    assert (windows.batches, windows.input_rows, windows.batch_seconds) == (3, 300, 1.5)
+    assert windows.state_rows_series == (10, 20, 30)
+    assert (windows.state_rows_last, windows.state_rows_max, windows.state_memory_bytes_max) == (30, 30, 3000)
+    assert summaries["silver"].state_rows_max is None and summaries["silver"].input_rows == 300
+
+
+def test_meminfo_and_status_parsing() -> None:
+    memory = parse_meminfo(MEMINFO)
+    assert memory["MemTotal"] == 24576000 * 1024
+    assert memory["HugePages_Total"] == 0
+    assert parse_status_rss("Name:\tjava\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n") == 1024 * 1024
+    assert parse_status_rss("Name:\tzombie\n") is None
+
+
+def test_machine_info_reports_cores_and_memory() -> None:
+    info = machine_info("local[2]", meminfo=MEMINFO)
+    assert info["cores"] >= 1 and 1 <= info["usable_cores"] <= info["cores"]
+    assert info["memory_bytes"] == 24576000 * 1024
+    assert info["spark_master"] == "local[2]" and info["pyspark"]
+
+
+def test_a_query_is_behind_until_it_read_what_its_source_holds() -> None:
+    held = {KAFKA: 100, "bronze": 100, "silver": 95, "anomalies": 95}
+    read = {"bronze": 100, "quarantine": 100, "silver": 100, "device_windows": 95, "device_windows_live": 95}
+    read |= {"device_status": 95, "anomalies": 95, "alerts": 90}
+    assert behind(read, held) == ["alerts"]
+    assert behind({**read, "alerts": 95}, held) == []
+    assert "bronze" in behind({}, held)
+
+
+def test_archive_copies_keep_whole_devices_to_reach_a_size() -> None:
+    assert copies_and_share(30_000, 100_000) == (4, pytest.approx(100_000 / 120_000))
+    assert copies_and_share(30_000, 10_000) == (1, pytest.approx(1 / 3))
+    with pytest.raises(ValueError):
+        copies_and_share(0, 10)
+
+
+def test_targets_are_judged_against_what_ran() -> None:
+    report = _report()
+    verdicts = {t.what: t for t in shaping.targets(report)}
+    assert verdicts["sustained end to end"].met is False
+    assert verdicts["share of Spark's Kafka->noop ceiling"].measured == pytest.approx(0.1)
+    assert verdicts["p99 event->bronze"].met is True
+    skipped = shaping.targets({**report, "steady": shaping.SKIPPED})
+    assert [t.met for t in skipped][2] is None
+    assert Target("x", "", 3.0, 2.0, at_most=True).met is False
+
+
+def _report() -> dict:
+    latency = [
+        Latency("bronze", 100, (0.5, 1.0, 1.5)).to_dict(),
+        Latency("device_windows", 0, ()).to_dict(),
+    ]
+    return {
+        "machine": machine_info("local[2]", meminfo=MEMINFO),
+        "settings": {"started_at": "2026-11-22T10:00:00+00:00"},
+        "model": {"readings": 6000},
+        "ceilings": {
+            "publish": {"sent": 1000, "records": 1000, "seconds": 0.1, "events_per_s": 10_000.0},
+            "consumer": {"records": 1000, "seconds": 0.05, "events_per_s": 20_000.0},
+            "spark_noop_cold": {"records": 1000, "seconds": 0.2, "events_per_s": 5_000.0},
+            "spark_noop": {"records": 1000, "seconds": 0.1, "events_per_s": 10_000.0},
+        },
+        "drain": {
+            "mode": "in turn",
+            "events": 1000,
+            "seconds": 1.0,
+            "events_per_s": 1000.0,
+            "ceiling_share": 0.1,
+            "queries": [
+                {"name": "bronze", "rows": 1000, "seconds": 0.5, "rows_per_s": 2000.0, "skipped": False},
+                {"name": "anomalies", "rows": None, "seconds": 0.0, "rows_per_s": 0.0, "skipped": True},
+            ],
+        },
+        "steady": {
+            "mode": "concurrent",
+            "rate": 500.0,
+            "seconds": 10,
+            "caught_up": True,
+            "behind": [],
+            "latency": latency,
+        },
+        "scale": {
+            "mode": "concurrent",
+            "points": [
+                {
+                    "devices": devices,
+                    "events": 1000,
+                    "events_per_s": 900.0,
+                    "caught_up": True,
+                    "behind": [],
+                    "memory": {"jvm_rss_bytes": 2 * 1024**3, "python_rss_bytes": 2 * 1024**2},
+                    "state": [
+                        {
+                            "name": "device_windows",
+                            "state_rows_last": 10 * devices,
+                            "state_rows_max": 11 * devices,
+                            "state_memory_bytes_max": 1024**2,
+                            "state_disk_bytes": 2 * 1024**2,
+                            "state_bounded": True,
+                        }
+                    ],
+                }
+                for devices in (10, 100)
+            ],
+        },
+        "training": {"runs": [{"readings": 1000, "seconds": 3.0, "steps": {"read": 1.0, "fit": 2.0}}]},
+    }
+
+
+def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
+    report = _report()
+    report["targets"] = [t.to_dict() for t in shaping.targets(report)]
+    text = shaping.render(report)
+    for needle in ("machine: ", "Kafka consumer", "whole path", "skipped (not ready)", "p99", "scale", "bounded"):
+        assert needle in text
+    assert "training cost" in text and "NOT met" in text
+    shaping.write_json(report, tmp_path / "report.json")
+    assert json.loads((tmp_path / "report.json").read_text())["drain"]["events"] == 1000
+
+
+def test_render_and_plot_with_skipped_parts(tmp_path: Path) -> None:
+    report = {**_report(), **dict.fromkeys(shaping.PARTS, shaping.SKIPPED)}
+    report["targets"] = [t.to_dict() for t in shaping.targets(report)]
+    assert "not measured" in shaping.render(report)
+    shaping.plot(report, tmp_path / "skipped.png")
+    shaping.plot(_report(), tmp_path / "full.png")
+    assert (tmp_path / "skipped.png").stat().st_size > 1000
+    assert (tmp_path / "full.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_options_are_validated() -> None:
+    BenchOptions().validate()
+    with pytest.raises(ValueError, match="unknown part"):
+        BenchOptions(skip=frozenset({"everything"})).validate()
+    with pytest.raises(ValueError, match="--steady-rate"):
+        BenchOptions(skip=frozenset({"drain"})).validate()
+    BenchOptions(skip=frozenset({"drain"}), steady_rate=100.0).validate()
+
+
+def test_bench_flags_parse() -> None:
+    args = build_parser().parse_args(
+        ["bench", "--scale", "1000,10_000", "--train-sizes", "5000", "--skip", "steady", "--skip", "training"]
+    )
+    assert args.scale == (1000, 10_000) and args.train_sizes == (5000,)
+    assert args.skip == ["steady", "training"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--scale", "lots"])
