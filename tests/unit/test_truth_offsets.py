@@ -9,9 +9,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 
 from ingest.verify import _truth_check, resolve_unknown_offsets
 from simulators.truth import OFFSET_UNKNOWN, TRUTH_SCHEMA
+from streaming.silver import LatenessRules, lateness
+from streaming.verify import _silver_against_truth
 
 TOPIC = "iotmon.readings"
 U = OFFSET_UNKNOWN
@@ -39,8 +42,11 @@ BRONZE_ROWS = [
 ]
 
 
-def write_truth(path: Path) -> Path:
-    when = datetime(2026, 11, 22, 1, tzinfo=UTC)
+WHEN = datetime(2026, 11, 22, 1, tzinfo=UTC)
+
+
+def write_truth(path: Path, sends: list[tuple] = SENDS) -> Path:
+    when = WHEN
     rows = [
         {
             "send_index": i,
@@ -60,7 +66,7 @@ def write_truth(path: Path) -> Path:
             "offset": offset,
             "delivered": True,
         }
-        for i, device, seq, duplicate, malformed, size, partition, offset in SENDS
+        for i, device, seq, duplicate, malformed, size, partition, offset in sends
     ]
     pq.write_table(pa.Table.from_pylist(rows, schema=TRUTH_SCHEMA), path)
     return path
@@ -86,3 +92,24 @@ def test_verify_accounts_for_every_send_without_offset(spark: SparkSession, tmp_
     assert (check.sends, check.delivered, check.offsets_unknown) == (8, 8, 6)
     assert check.missing_from_bronze == 1, "dev-c's reading is not in bronze; its older copy at offset 5 is not it"
     assert check.parsed_differently == 0 and check.malformed_accepted == 0
+
+
+def test_silver_against_truth_uses_the_offsets_found_in_bronze(spark: SparkSession, tmp_path: Path) -> None:
+    rules = LatenessRules()
+    # silver: each valid reading once, at its first copy's offset
+    silver = spark.createDataFrame(
+        [
+            ("dev-a", 1, WHEN, 0, 10),
+            ("dev-a", 2, WHEN, 0, 11),
+            ("dev-b", 1, WHEN, 0, 12),
+            ("dev-b", 2, WHEN, 0, 13),
+            ("dev-d", 1, WHEN, 1, 0),
+        ],
+        "device_id string, seq long, event_time timestamp, partition int, offset long",
+    ).withColumn("lateness", lateness(F.lit(0.0), rules))
+    in_bronze = [send for send in SENDS if send[1] != "dev-c"]
+    truth = write_truth(tmp_path / "in-bronze.parquet", in_bronze)
+    assert _silver_against_truth(spark, silver, bronze_frame(spark), [truth], rules) == []
+    with_missing = write_truth(tmp_path / "all.parquet")
+    problems = _silver_against_truth(spark, silver, bronze_frame(spark), [with_missing], rules)
+    assert problems == ["silver vs ground truth: 1 rows of the batch recomputation are missing"], "dev-c's reading"
