@@ -4,7 +4,8 @@ Per partition, bronze's offsets must be exactly Kafka's ``[low, high)`` (the pro
 not transactional, so offsets are contiguous). Offsets below ``low`` are records archived before Kafka's
 retention deleted them, which is what an archive is for. Quarantine must be exactly bronze's malformed
 rows. Given the simulator's ground truth, every delivered send must sit in bronze at the offset the
-broker acknowledged, parsed as what was sent, and every corrupted send must be quarantined.
+broker acknowledged, parsed as what was sent, and every corrupted send must be quarantined. A send the
+broker acknowledged without an offset (``OFFSET_UNKNOWN``) is found by its content instead.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from ingest.bronze import BRONZE_STAGE
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
 from iotmon.schema import BRONZE, DEVICE_ID, QUARANTINE, SEQ
+from simulators.truth import OFFSET_UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class TruthCheck:
     """Well-formed sends whose bronze row is not that (device_id, seq), or was rejected."""
     malformed_accepted: int
     """Corrupted sends that bronze parsed as valid readings."""
+    offsets_unknown: int = 0
+    """Delivered sends the broker acknowledged without an offset, looked up in bronze by content."""
 
     @property
     def ok(self) -> bool:
@@ -153,9 +157,60 @@ def _partition_checks(
     ]
 
 
+def bronze_identity(bronze: DataFrame) -> DataFrame:
+    """What ``resolve_unknown_offsets`` needs of bronze: a record's coordinates and content identity."""
+    return bronze.select("topic", "partition", "offset", "key", F.octet_length("value").alias("payload_bytes"), SEQ)
+
+
+def resolve_unknown_offsets(truth: DataFrame, bronze: DataFrame) -> DataFrame:
+    """``truth`` with each ``OFFSET_UNKNOWN`` of a delivered send replaced by the offset of its bronze row.
+
+    The send's row must lie in its partition between the known offsets of the sends before and after it
+    (offsets follow send order per partition), at an offset no other truth row names, with the send's key,
+    payload length and, if well-formed, seq. Sends of equal content are paired with such rows in order, each
+    row used once; a send left without one keeps ``OFFSET_UNKNOWN`` and so is missing from bronze.
+    ``bronze`` has the columns of ``bronze_identity``.
+    """
+    unknown = F.col("delivered") & (F.col("offset") == OFFSET_UNKNOWN)
+    if truth.where(unknown).isEmpty():
+        return truth
+    in_partition = Window.partitionBy("topic", "partition").orderBy("send_index")
+    known = F.when(F.col("delivered") & (F.col("offset") >= 0), F.col("offset"))
+    identity = ["topic", "partition", "_key", "payload_bytes", "_seq"]
+    bounded = truth.select(
+        *truth.columns,
+        F.last(known, ignorenulls=True).over(in_partition.rowsBetween(Window.unboundedPreceding, -1)).alias("_low"),
+        F.first(known, ignorenulls=True).over(in_partition.rowsBetween(1, Window.unboundedFollowing)).alias("_high"),
+    )
+    sends = bounded.where(unknown).select(
+        *bounded.columns,
+        F.col(DEVICE_ID).alias("_key"),
+        F.coalesce(F.when(F.col("malformed_kind").isNull(), F.col(SEQ)), F.lit(-1)).alias("_seq"),
+    )
+    claimed = truth.where(F.col("delivered") & (F.col("offset") >= 0)).select("topic", "partition", "offset")
+    rows = bronze.join(claimed, ["topic", "partition", "offset"], "left_anti").select(
+        "topic",
+        "partition",
+        F.col("offset").alias("_offset"),
+        F.col("key").alias("_key"),
+        "payload_bytes",
+        F.coalesce(F.col(SEQ), F.lit(-1)).alias("_seq"),
+    )
+    in_range = (F.col("_low").isNull() | (F.col("_offset") > F.col("_low"))) & (
+        F.col("_high").isNull() | (F.col("_offset") < F.col("_high"))
+    )
+    candidates = sends.join(rows, identity).where(in_range).select(*identity, "_offset").distinct()
+    candidates = candidates.withColumn("_rank", F.row_number().over(Window.partitionBy(*identity).orderBy("_offset")))
+    ranked = sends.withColumn("_rank", F.row_number().over(Window.partitionBy(*identity).orderBy("send_index")))
+    paired = ranked.join(candidates, [*identity, "_rank"], "left").withColumn(
+        "offset", F.when(in_range, F.col("_offset")).otherwise(F.lit(OFFSET_UNKNOWN)).cast("long")
+    )
+    return truth.where(~unknown).unionByName(paired.select(*truth.columns))
+
+
 def _truth_check(spark: SparkSession, bronze: DataFrame, truth_files: Sequence[Path]) -> TruthCheck:
     truth = spark.read.parquet(*[str(path) for path in truth_files])
-    delivered = truth.where(F.col("delivered"))
+    delivered = resolve_unknown_offsets(truth.where(F.col("delivered")), bronze)
     joined = delivered.alias("t").join(
         bronze.alias("b"),
         (F.col("t.topic") == F.col("b.topic"))
@@ -183,10 +238,11 @@ def _truth_check(spark: SparkSession, bronze: DataFrame, truth_files: Sequence[P
     ).first()
     return TruthCheck(
         sends=truth.count(),
-        delivered=delivered.count(),
+        delivered=truth.where(F.col("delivered")).count(),
         missing_from_bronze=row["missing"] or 0,
         parsed_differently=row["different"] or 0,
         malformed_accepted=row["accepted"] or 0,
+        offsets_unknown=truth.where(F.col("delivered") & (F.col("offset") == OFFSET_UNKNOWN)).count(),
     )
 
 
@@ -196,7 +252,16 @@ def reconcile(spark: SparkSession, settings: Settings, truth_files: Sequence[Pat
         spark.read.format("delta")
         .load(settings.table_path(BRONZE))
         .where(F.col("topic") == settings.topic)
-        .select("topic", "partition", "offset", "parse_error", DEVICE_ID, SEQ)
+        .select(
+            "topic",
+            "partition",
+            "offset",
+            "parse_error",
+            DEVICE_ID,
+            SEQ,
+            "key",
+            F.octet_length("value").alias("payload_bytes"),
+        )
         .cache()
     )
     quarantine = (

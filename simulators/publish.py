@@ -37,7 +37,7 @@ from .options import SimulationOptions, StreamPlan, plan_stream
 from .partitioning import partition_for_key
 from .signals import NO_ANOMALY
 from .timefmt import format_timestamp
-from .truth import NOT_DELIVERED, TruthWriter, payload_sizes, truth_table
+from .truth import NOT_DELIVERED, OFFSET_UNKNOWN, TruthWriter, payload_sizes, truth_table
 
 __all__ = ["SimulationOptions", "SimulationSummary", "run_simulation", "write_device_registry"]
 
@@ -86,6 +86,11 @@ class SimulationSummary:
     """Sends the broker rejected or that timed out (``delivered=False`` in the truth file)."""
     unconfirmed: int = 0
     """Sends without a delivery report when the run was aborted (also ``delivered=False``)."""
+    offsets_inferred: int = 0
+    """Delivered sends reported without an offset, whose offset the neighbouring reports pinned down."""
+    offsets_unknown: int = 0
+    """Delivered sends reported without an offset that stayed unknown (``OFFSET_UNKNOWN`` in the truth file;
+    verification matches them to bronze by content)."""
     readings: int = 0
     late: int = 0
     very_late: int = 0
@@ -145,6 +150,11 @@ class SimulationSummary:
                 f"{self.delivered:,}, failed {self.failed:,}"
                 + (f", unconfirmed {self.unconfirmed:,}" if self.unconfirmed else ""),
             ),
+            *(
+                [("offsets", f"{self.offsets_inferred:,} not reported but inferred, {self.offsets_unknown:,} unknown")]
+                if self.offsets_inferred or self.offsets_unknown
+                else []
+            ),
             ("readings", f"{self.readings:,} first sends"),
             ("clock", f"{self.first_event_time} .. {self.last_send_time} (first reading .. last send)"),
             ("late", f"{self.late:,} within the watermark, {self.very_late:,} beyond it"),
@@ -168,22 +178,51 @@ class SimulationSummary:
 
 
 class DeliveryLedger:
-    """Offsets from delivery reports, per partition in produce order (what idempotence guarantees)."""
+    """Offsets from delivery reports, per partition in produce order (what idempotence guarantees).
+
+    A success without a valid offset (the broker acknowledging a retried batch it already had) is kept as
+    ``OFFSET_UNKNOWN``. Offsets of one partition strictly increase in produce order and nothing else writes
+    between our records, so a run of k unknowns between known offsets a and b with b - a - 1 == k is
+    a + 1 .. a + k: filled in when b arrives. Until then the run is *open* and the reports in it are not
+    ``settled``, so that their truth rows wait for b.
+    """
 
     def __init__(self, partitions: int) -> None:
         self.reports: list[list[int]] = [[] for _ in range(partitions)]
         self._consumed = [0] * partitions
         self.failed = 0
         self.errors: Counter[str] = Counter()
+        self.inferred = 0
+        self._last_known: list[int | None] = [None] * partitions
+        self._open_run: list[list[int]] = [[] for _ in range(partitions)]
+        """Per partition, positions (counted from the first report) of the unknowns since the last known offset."""
 
     def on_delivery(self, err: Any, msg: Any) -> None:
         """The producer's ``on_delivery`` callback: one bound method for all messages."""
-        if err is None:
-            self.reports[msg.partition()].append(msg.offset())
-        else:
-            self.reports[msg.partition()].append(NOT_DELIVERED)
+        partition = msg.partition()
+        if err is not None:
+            self.reports[partition].append(NOT_DELIVERED)
             self.failed += 1
             self.errors[err.str()] += 1
+            return
+        offset = msg.offset()
+        if offset is None or offset < 0:
+            self._open_run[partition].append(self._consumed[partition] + len(self.reports[partition]))
+            self.reports[partition].append(OFFSET_UNKNOWN)
+            return
+        self._close_run(partition, offset)
+        self.reports[partition].append(offset)
+
+    def _close_run(self, partition: int, offset: int) -> None:
+        """A known ``offset`` arrived: fill the open run of unknowns before it if the gap fits it exactly."""
+        run, before = self._open_run[partition], self._last_known[partition]
+        consumed, reports = self._consumed[partition], self.reports[partition]
+        if run and before is not None and offset - before - 1 == len(run) and run[0] >= consumed:
+            for i, position in enumerate(run, start=1):
+                reports[position - consumed] = before + i
+            self.inferred += len(run)
+        self._open_run[partition] = []
+        self._last_known[partition] = offset
 
     @property
     def reported(self) -> int:
@@ -191,6 +230,11 @@ class DeliveryLedger:
 
     def available(self, partition: int) -> int:
         return len(self.reports[partition])
+
+    def settled(self, partition: int, count: int) -> bool:
+        """Whether the next ``count`` reports of ``partition`` are final (none in a run still open)."""
+        run = self._open_run[partition]
+        return not run or run[0] >= self._consumed[partition] + count
 
     def take(self, partition: int, count: int) -> list[int]:
         """The next ``count`` reports of ``partition`` (which must have arrived)."""
@@ -348,34 +392,44 @@ class Publisher:
         produce, topic, keys = self.producer.produce, self.topic, self.device_keys
         partitions = self.device_partition[batch.device]
         payloads, n = batch.payloads, len(batch)
-        lo = 0
-        while lo < n:
-            if paced:  # send a window of records together once its last one is due, never early
-                hi = self._window_end(batch, lo)
-                if not self._wait_until(int(batch.send_ms[hi - 1])):
+        lo = attempted = 0
+        try:
+            while lo < n:
+                if paced:  # send a window of records together once its last one is due, never early
+                    hi = self._window_end(batch, lo)
+                    if not self._wait_until(int(batch.send_ms[hi - 1])):
+                        break
+                else:
+                    hi = min(n, lo + POLL_EVERY)
+                devices, parts = batch.device[lo:hi].tolist(), partitions[lo:hi].tolist()
+                if self.stamp_send_time:
+                    stamps = np.minimum(batch.send_ms[lo:hi], now_ms() + MAX_STAMP_AHEAD_MS).tolist()
+                    for attempted, value, device, partition, stamp in zip(  # noqa: B007 (read on interrupt)
+                        range(lo + 1, hi + 1), payloads[lo:hi], devices, parts, stamps, strict=True
+                    ):
+                        try:
+                            produce(topic, value, keys[device], partition, timestamp=stamp)
+                        except BufferError:
+                            self._produce_when_room(value, keys[device], partition, stamp)
+                else:
+                    for attempted, value, device, partition in zip(  # noqa: B007 (read on interrupt)
+                        range(lo + 1, hi + 1), payloads[lo:hi], devices, parts, strict=True
+                    ):
+                        try:
+                            produce(topic, value, keys[device], partition)
+                        except BufferError:
+                            self._produce_when_room(value, keys[device], partition, None)
+                lo = hi
+                self.producer.poll(0)
+                self._collect()
+                self.progress.update(self.sent + lo, self.delivered, int(batch.send_ms[lo - 1]))
+                if self.stop.requested and not batch.final:
                     break
-            else:
-                hi = min(n, lo + POLL_EVERY)
-            devices, parts = batch.device[lo:hi].tolist(), partitions[lo:hi].tolist()
-            if self.stamp_send_time:
-                stamps = np.minimum(batch.send_ms[lo:hi], now_ms() + MAX_STAMP_AHEAD_MS).tolist()
-                for value, device, partition, stamp in zip(payloads[lo:hi], devices, parts, stamps, strict=True):
-                    try:
-                        produce(topic, value, keys[device], partition, timestamp=stamp)
-                    except BufferError:
-                        self._produce_when_room(value, keys[device], partition, stamp)
-            else:
-                for value, device, partition in zip(payloads[lo:hi], devices, parts, strict=True):
-                    try:
-                        produce(topic, value, keys[device], partition)
-                    except BufferError:
-                        self._produce_when_room(value, keys[device], partition, None)
-            lo = hi
-            self.producer.poll(0)
-            self._collect()
-            self.progress.update(self.sent + lo, self.delivered, int(batch.send_ms[lo - 1]))
-            if self.stop.requested and not batch.final:
-                break
+        except KeyboardInterrupt:
+            # The third Ctrl-C: every record that may have been produced still gets a truth row. One that
+            # was being produced when the signal came counts as sent; without a report it is undelivered.
+            self._record(batch, partitions, max(lo, attempted))
+            raise
         self._record(batch, partitions, lo)
         return lo
 
@@ -428,12 +482,16 @@ class Publisher:
     def _collect(self, give_up: bool = False) -> None:
         """Write the truth rows of every leading batch whose delivery reports are all in.
 
-        With ``give_up``, batches still missing reports are written too, the missing sends as undelivered.
+        A batch also waits while a report of it is in an open run of unknown offsets (see ``DeliveryLedger``).
+        With ``give_up``, batches still missing reports are written too, the missing sends as undelivered,
+        offsets still unknown as ``OFFSET_UNKNOWN``.
         """
         ledger = self.ledger
         while self._awaiting:
             waiting = self._awaiting[0]
-            complete = all(ledger.available(p) >= n for p, n in enumerate(waiting.counts.tolist()))
+            complete = all(
+                ledger.available(p) >= n and ledger.settled(p, n) for p, n in enumerate(waiting.counts.tolist())
+            )
             if not complete and not give_up:
                 return
             self._awaiting.popleft()
@@ -444,6 +502,7 @@ class Publisher:
                     missing = n - len(got)
                     self.summary.unconfirmed += missing
                     offset[waiting.partition == p] = np.array(got + [NOT_DELIVERED] * missing, dtype=np.int64)
+            self.summary.offsets_unknown += int(np.count_nonzero(offset == OFFSET_UNKNOWN))
             table = truth_table(
                 waiting.batch,
                 waiting.payload_bytes,
@@ -457,13 +516,15 @@ class Publisher:
 
     def flush(self) -> None:
         """Wait for every delivery report; if the stop is aborted, write what is known and stop waiting."""
-        while not self.stop.aborted:
-            remaining = self.producer.flush(FLUSH_STEP_S)
-            self._collect()
-            self.progress.update(self.sent, self.delivered, self.last_send_ms)
-            if remaining == 0:
-                break
-        self._collect(give_up=True)
+        try:
+            while not self.stop.aborted:
+                remaining = self.producer.flush(FLUSH_STEP_S)
+                self._collect()
+                self.progress.update(self.sent, self.delivered, self.last_send_ms)
+                if remaining == 0:
+                    break
+        finally:  # also when the third Ctrl-C interrupts the wait: what is known is written
+            self._collect(give_up=True)
 
 
 def _sent_now(batch: SendBatch) -> None:
@@ -579,6 +640,7 @@ def simulate(
         summary.events_per_s = summary.sent / max(summary.elapsed_s, 1e-9)
         summary.delivered = publisher.delivered
         summary.failed = ledger.failed
+        summary.offsets_inferred = ledger.inferred
         summary.delivery_errors = dict(ledger.errors)
         summary.interrupted = summary.interrupted or stop.requested
         summary.dropouts = len(stream.dropouts.episodes)

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from ingest.verify import bronze_identity, resolve_unknown_offsets
 from iotmon.config import Settings
 from iotmon.schema import (
     ALERTS,
@@ -158,7 +159,8 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     check.rows_checked[SILVER] = count
     check.problems += problems
     if truth:
-        check.problems += _silver_against_truth(spark, silver, truth, LatenessRules.from_settings(settings))
+        rules = LatenessRules.from_settings(settings)
+        check.problems += _silver_against_truth(spark, silver, bronze_identity(bronze), truth, rules)
 
     spec = WindowSpec.from_settings(settings)
     # After a backfill the final tables hold rows up to its mark even before the stream finalised any.
@@ -222,15 +224,19 @@ def _anomalies_against_silver(
     return count, problems
 
 
-def _silver_against_truth(spark: SparkSession, silver: DataFrame, truth: list[Path], rules: LatenessRules) -> list[str]:
+def _silver_against_truth(
+    spark: SparkSession, silver: DataFrame, bronze: DataFrame, truth: list[Path], rules: LatenessRules
+) -> list[str]:
     """Every valid delivered reading is in silver once, at its first copy's offset, late by the simulator's
-    own send delay; nothing else is in silver."""
+    own send delay; nothing else is in silver. Offsets the broker did not report are looked up in ``bronze``
+    (``bronze_identity``)."""
     columns = [*READING_KEY, "delay_s", "malformed_kind", "partition", "offset", "delivered"]
+    columns += ["send_index", "topic", "payload_bytes"]
     frames = [spark.createDataFrame(pq.read_table(path, columns=columns).to_pandas()) for path in truth]
     sends = frames[0]
     for frame in frames[1:]:
         sends = sends.unionByName(frame)
-    valid = sends.where("delivered AND malformed_kind IS NULL")
+    valid = resolve_unknown_offsets(sends, bronze).where("delivered AND malformed_kind IS NULL")
     first_copy = F.min_by(F.struct("partition", "offset", "delay_s"), F.struct("partition", "offset")).alias("f")
     expected = (
         valid.groupBy(*READING_KEY)

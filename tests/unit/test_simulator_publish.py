@@ -20,8 +20,8 @@ import pytest
 from iotmon.config import Settings, interval_seconds
 from simulators.options import SimulationOptions
 from simulators.partitioning import partition_for_key
-from simulators.publish import SimulationSummary, StopRequest, simulate
-from simulators.truth import TRUTH_SCHEMA
+from simulators.publish import DeliveryLedger, SimulationSummary, StopRequest, simulate
+from simulators.truth import NOT_DELIVERED, OFFSET_UNKNOWN, TRUTH_SCHEMA
 
 START = datetime(2026, 11, 22, 1, 0, tzinfo=UTC)
 PARTITIONS = 4
@@ -36,19 +36,21 @@ class FakeError:
 
 
 class FakeMessage:
-    def __init__(self, partition: int, offset: int) -> None:
+    def __init__(self, partition: int, offset: int | None) -> None:
         self._partition, self._offset = partition, offset
 
     def partition(self) -> int:
         return self._partition
 
-    def offset(self) -> int:
+    def offset(self) -> int | None:
         return self._offset
 
 
 class FakeProducer:
     """Keeps what it was given; reports deliveries in produce order per partition, partitions interleaved
-    at random (as different brokers would answer); fails every ``fail_every``-th send."""
+    at random (as different brokers would answer); fails every ``fail_every``-th send. Offsets in ``hide``
+    are reported as None (a broker acknowledging an idempotent duplicate); before an offset in ``gap_before``
+    one offset is skipped, as if another producer wrote there."""
 
     def __init__(
         self,
@@ -56,11 +58,14 @@ class FakeProducer:
         queue_limit: int = 1_000_000,
         fail_every: int = 0,
         on_produce: Callable[[int], None] | None = None,
+        hide: set[tuple[int, int]] = frozenset(),
+        gap_before: set[tuple[int, int]] = frozenset(),
     ) -> None:
         self.on_delivery = on_delivery
         self.queue_limit = queue_limit
         self.fail_every = fail_every
         self.on_produce = on_produce
+        self.hide, self.gap_before = hide, gap_before
         self.queued: list[list[tuple[bytes, bytes, int | None]]] = [[] for _ in range(PARTITIONS)]
         self.log: dict[tuple[int, int], tuple[bytes, bytes, int | None]] = {}
         self.next_offset = [0] * PARTITIONS
@@ -91,10 +96,13 @@ class FakeProducer:
                 if self.fail_every and (sum(self.next_offset) + served) % self.fail_every == 0:
                     self.on_delivery(FakeError("Broker: Request timed out"), FakeMessage(partition, -1001))
                     continue
+                if (partition, self.next_offset[partition]) in self.gap_before:
+                    self.next_offset[partition] += 1
                 offset = self.next_offset[partition]
                 self.next_offset[partition] += 1
                 self.log[(partition, offset)] = (value, key, timestamp)
-                self.on_delivery(None, FakeMessage(partition, offset))
+                reported = None if (partition, offset) in self.hide else offset
+                self.on_delivery(None, FakeMessage(partition, reported))
         return served
 
     def flush(self, timeout: float = 0) -> int:
@@ -153,6 +161,97 @@ def test_failed_deliveries_are_recorded_not_dropped(tmp_path: Path) -> None:
     for partition in range(PARTITIONS):
         offsets = delivered.filter(pc.equal(delivered.column("partition"), partition)).column("offset")
         assert offsets.to_pylist() == list(range(len(offsets))), "offsets follow send order per partition"
+
+
+def test_ledger_infers_offsets_the_broker_did_not_report() -> None:
+    ledger = DeliveryLedger(1)
+    reports: list[tuple[FakeError | None, int | None]] = [
+        (None, 10),
+        (None, None),  # run of two between 10 and 13: 11, 12
+        (None, None),
+        (FakeError("Broker: Request timed out"), -1001),  # a failure takes no offset
+        (None, 13),
+        (None, None),  # between 13 and 16 but alone: the gap does not fit, stays unknown
+        (None, 16),
+        (None, None),  # at the end: no next offset yet
+    ]
+    for err, offset in reports:
+        ledger.on_delivery(err, FakeMessage(0, offset))
+    assert ledger.settled(0, 7) and not ledger.settled(0, 8), "the open run at the end waits"
+    assert ledger.take(0, 7) == [10, 11, 12, NOT_DELIVERED, 13, OFFSET_UNKNOWN, 16]
+    assert ledger.inferred == 2
+    ledger.on_delivery(None, FakeMessage(0, 18))
+    assert ledger.take(0, 2) == [17, 18], "closed by the next report of the partition"
+    ledger.on_delivery(None, FakeMessage(0, None))
+    ledger.take(0, 1)  # given up on (written as unknown) before the next report came
+    ledger.on_delivery(None, FakeMessage(0, 20))
+    assert ledger.take(0, 1) == [20] and ledger.inferred == 3
+    assert ledger.reported == 11 and ledger.failed == 1
+
+
+def test_deliveries_without_offset_are_delivered_and_inferred(tmp_path: Path) -> None:
+    _, plain, _ = run(tmp_path / "plain", devices=30, events=12_000)
+    unfit = {(0, 1_001)}  # after offset 1000, which someone else took: the gap is one wider than the run
+    last = {(p, plain.next_offset[p] - (p != 0)) for p in range(PARTITIONS)}  # partition 0 one later (the gap)
+    middle = {(p, o) for p in range(PARTITIONS) for o in (0, 500, 501, 502, 1_500)}
+    assert min(plain.next_offset) > 1_502
+    summary, producer, truth = run(
+        tmp_path / "hidden",
+        {"hide": middle | last | unfit, "gap_before": {(0, 1_000)}},
+        devices=30,
+        events=12_000,
+    )
+    assert summary.sent == summary.delivered == truth.num_rows == 12_000
+    assert pc.all(truth.column("delivered")).as_py(), "acknowledged without offset is still delivered"
+    unknown = truth.filter(pc.equal(truth.column("offset"), OFFSET_UNKNOWN))
+    # offset 0 has no known offset before it, the last ones none after it, the unfit one an ambiguous gap
+    expected_unknown = {(p, 0) for p in range(PARTITIONS)} | last | unfit
+    assert summary.offsets_unknown == unknown.num_rows == len(expected_unknown)
+    assert summary.offsets_inferred == len(middle) - PARTITIONS
+    by_send = {(r["partition"], r["offset"]): r for r in truth.to_pylist()}
+    for (partition, offset), (value, key, _) in producer.log.items():
+        if (partition, offset) in expected_unknown:
+            continue
+        row = by_send[(partition, offset)]
+        assert key == row["device_id"].encode() and len(value) == row["payload_bytes"]
+    for row in unknown.to_pylist():  # each unknown is the send Kafka holds at the hidden offset
+        candidates = [
+            o
+            for (p, o) in expected_unknown
+            if p == row["partition"] and producer.log[(p, o)][1].decode() == row["device_id"]
+        ]
+        assert candidates, row
+
+
+def test_third_ctrl_c_still_writes_every_send(tmp_path: Path) -> None:
+    def interrupt(produced: int) -> None:
+        if produced == 6_000:
+            for _ in range(3):
+                signal.raise_signal(signal.SIGINT)
+
+    made: list[FakeProducer] = []
+
+    def factory(on_delivery: Callable[[Any, Any], None]) -> FakeProducer:
+        made.append(FakeProducer(on_delivery, on_produce=interrupt))
+        return made[0]
+
+    settings = Settings(home=tmp_path)
+    opts = SimulationOptions(start=START, devices=40, events=50_000)
+    with pytest.raises(KeyboardInterrupt):
+        simulate(settings, opts, factory, PARTITIONS, progress_stream=io.StringIO())
+    truth = pq.read_table(opts.truth_file(settings))
+    producer = made[0]
+    assert truth.num_rows == producer.produced == 6_000, "every produced record has its truth row"
+    companion = json.loads(
+        opts.truth_file(settings).with_name(opts.truth_file(settings).name + ".summary.json").read_text()
+    )
+    counts = companion["summary"]
+    assert counts["sent"] == 6_000 == counts["delivered"] + counts["unconfirmed"]
+    delivered = truth.filter(truth.column("delivered"))
+    assert delivered.num_rows == counts["delivered"] == len(producer.log)
+    for row in delivered.to_pylist():
+        assert producer.log[(row["partition"], row["offset"])][1] == row["device_id"].encode()
+    assert truth.num_rows - delivered.num_rows == counts["unconfirmed"] > 0
 
 
 def test_a_full_queue_is_waited_for(tmp_path: Path) -> None:
