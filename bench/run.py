@@ -133,7 +133,8 @@ def _delete_topics(settings: Settings, topics: list[str]) -> None:
     from iotmon.kafka import admin
 
     if topics:
-        for future in admin(settings).delete_topics(topics).values():
+        client = admin(settings)  # held until every future resolves: a dropped client cancels them
+        for future in client.delete_topics(topics).values():
             try:
                 future.result(30)
             except Exception as exc:  # left behind on the user's broker; say so, don't fail the report
