@@ -62,11 +62,3 @@ def wait_for(condition, timeout: float, what: str, poll: float = 0.02):
             return result
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def batch_ids(checkpoint: str, log: str) -> set[int]:
-    """Batch ids in a streaming checkpoint's ``offsets`` (planned) or ``commits`` (finished) log."""
-    from pathlib import Path
-
-    folder = Path(checkpoint) / log
-    return {int(p.name) for p in folder.iterdir() if p.name.isdigit()} if folder.exists() else set()

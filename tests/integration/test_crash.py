@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.chaos import batch_ids
 from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
 from iotmon.config import Settings
 from iotmon.queries import run_until_idle
@@ -23,7 +24,7 @@ from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from streaming.jobs import ANALYTICS_QUERIES, ensure_analytics_tables
 from streaming.silver import READING_KEY
-from tests.support import batch_ids, cli_env, wait_for
+from tests.support import cli_env, wait_for
 
 pytestmark = pytest.mark.integration
 
