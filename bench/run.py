@@ -87,13 +87,11 @@ class _Log:
 
 
 def kafka_answers(settings: Settings) -> bool:
-    from confluent_kafka import KafkaException
-
-    from iotmon.kafka import admin
+    from iotmon.kafka import KafkaUnavailable, require_broker
 
     try:
-        admin(settings).list_topics(timeout=5)
-    except KafkaException:
+        require_broker(settings, timeout=5)
+    except KafkaUnavailable:
         return False
     return True
 
