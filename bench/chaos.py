@@ -311,13 +311,11 @@ class ChaosRun:
     # --- the run ---------------------------------------------------------------------------------------------
 
     def run(self) -> ChaosReport:
-        from ml import registry
 
         options, settings = self.options, self.settings
         self.logs.mkdir(parents=True, exist_ok=True)
         broker.start(settings)
         self.broker_started = True
-        registry.experiment_id(settings)  # one process creates a fresh local store before the others use it
         truth = settings.truth_dir / f"chaos-{self.logs.name.removeprefix('chaos-')}.parquet"
         fleet = ["--devices", str(options.devices), "--rate", f"{options.rate:g}", "--seed", str(options.seed)]
         simulator = self.spawn("simulator", "simulate", "--quiet", "--truth", str(truth), *fleet)

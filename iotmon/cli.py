@@ -521,7 +521,6 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     """Broker, a real-time fleet, the stream, a periodic trainer, the dashboard and the MLflow UI, as separate
     processes the way they would run in production; on exit, drain, reconcile, and stop what it started."""
     from iotmon import broker
-    from ml import registry
 
     stop = stop_on_signals()
     broker_was_running = broker.status(settings).running
@@ -531,7 +530,6 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         models = settings.mlflow_tracking_uri is None
         cmd_reset(settings, argparse.Namespace(kafka=True, models=models))
     print(broker.start(settings).report(), flush=True)
-    registry.experiment_id(settings)  # one process creates a fresh local store, before four start using it
     children = _Children()
     try:
         truth = settings.truth_dir / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"

@@ -9,6 +9,7 @@ model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -54,16 +55,55 @@ def tracking(settings: Settings):
     from mlflow import MlflowClient
 
     with _setup_lock:
-        if settings.mlflow_tracking_uri is None:
-            settings.mlflow_home.mkdir(parents=True, exist_ok=True)
         # MLflow logs a line per Alembic migration when it creates its SQLite schema; keep startup quiet.
         logging.getLogger("alembic").setLevel(logging.WARNING)
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
         # mlflow.spark reports at INFO that a local model is "uploaded" to the local file system.
         logging.getLogger("mlflow.spark").setLevel(logging.WARNING)
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        if settings.mlflow_tracking_uri is None:
+            _create_local_store(settings.mlflow_database)
         mlflow.set_tracking_uri(settings.tracking_uri)
         mlflow.set_registry_uri(settings.tracking_uri)
     return MlflowClient(settings.tracking_uri, settings.tracking_uri)
+
+
+def _create_local_store(database: Path) -> None:
+    """Create the local SQLite store whole, or not at all.
+
+    MLflow builds its schema in place, one Alembic migration after another, without a lock between
+    processes; a process killed in the middle (the stream's scorer polls the registry, and gets SIGKILLed)
+    or two processes starting together leave a half-migrated file that every later start fails on
+    (``duplicate column name``). So the schema is built in a private file and linked into place in one
+    step: whoever links first wins, and the others' copies are dropped.
+    """
+    from mlflow import MlflowClient
+
+    if database.exists():
+        return
+    database.parent.mkdir(parents=True, exist_ok=True)
+    for left in database.parent.glob(f".{database.name}.*.tmp*"):  # scratch copies (and journals) of killed processes
+        if not _alive(int(left.name.split(".")[-2])):
+            left.unlink(missing_ok=True)
+    scratch = database.with_name(f".{database.name}.{os.getpid()}.tmp")
+    try:
+        MlflowClient(f"sqlite:///{scratch}").search_experiments(max_results=1)  # runs every migration
+        with scratch.open("rb") as built:
+            os.fsync(built.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(scratch, database)
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def experiment_id(settings: Settings) -> str:
