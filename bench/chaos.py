@@ -72,6 +72,9 @@ class ChaosOptions:
     """Share of stream kills timed by a batch in flight rather than by a random delay."""
     driver_only_share: float = 0.3
     """Share of stream kills that take only the Python driver, orphaning its JVM."""
+    kill_in: tuple[str, ...] = ()
+    """Queries whose batches in flight time the first kills, one kill each in this order (the rest are drawn
+    at random): the way to make sure every stage is crashed mid-batch at least once."""
 
     def validate(self) -> None:
         if self.kills < 1:
@@ -80,6 +83,10 @@ class ChaosOptions:
             raise ValueError("--broker-restarts must be between 0 and --kills (one restart per stream run at most)")
         if self.trainer_kills < 0 or self.devices < 1 or self.rate <= 0:
             raise ValueError("--trainer-kills must be >= 0, --devices >= 1 and --rate > 0")
+        if unknown := [query for query in self.kill_in if query not in QUERIES]:
+            raise ValueError(f"--kill-in: no query named {', '.join(unknown)} (the queries: {', '.join(QUERIES)})")
+        if len(self.kill_in) > self.kills:
+            raise ValueError("--kill-in names more queries than --kills allows (one kill per query)")
 
 
 @dataclass
@@ -386,15 +393,19 @@ class ChaosRun:
         driver_only = self.rng.random() < options.driver_only_share
         in_flight = self.rng.random() < options.in_flight_share
         delay = self.rng.uniform(2.0, options.max_delay_s)
-        queries = (
-            QUERIES if registry.champion(settings) is not None else tuple(q for q in QUERIES if q not in MODEL_QUERIES)
-        )
-        query = self.rng.choice(queries)
+        if kill <= len(options.kill_in):
+            query, in_flight = options.kill_in[kill - 1], True
+        else:
+            champion = registry.champion(settings) is not None
+            query = self.rng.choice(QUERIES if champion else tuple(q for q in QUERIES if q not in MODEL_QUERIES))
         planned = {q: max(batch_ids(settings.checkpoint_path(q), "offsets"), default=-1) for q in QUERIES}
         stream = self.spawn("stream", "stream")
         launched = time.monotonic()
         if restart_broker:
             self._restart_broker(stream)
+        if in_flight and query in MODEL_QUERIES:
+            # Its batches start with the first champion, trained on what this very run archives.
+            self.wait(lambda: registry.champion(settings) is not None, TRAINER_PATIENCE_S)
         if in_flight:
             checkpoint, after = settings.checkpoint_path(query), planned[query]
             # A tuple, so that batch 0 counts as found.

@@ -583,6 +583,7 @@ def cmd_chaos(settings: Settings, args: argparse.Namespace) -> int:
         devices=args.devices,
         rate=args.rate,
         retrain_every_s=args.retrain_every,
+        kill_in=tuple(args.kill_in.split(",")) if args.kill_in else (),
     )
     try:
         options.validate()
@@ -874,6 +875,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=ChaosOptions.retrain_every_s,
         help=f"how often the trainer runs, e.g. '2 minutes' (default {ChaosOptions.retrain_every_s:g} seconds)",
+    )
+    chaos.add_argument(
+        "--kill-in",
+        metavar="QUERY,...",
+        help="time the first kills by a batch in flight in these queries, in order "
+        "(e.g. bronze,silver,device_status,anomalies,alerts); the rest at random",
     )
     demo = command(
         "demo",

@@ -1,4 +1,5 @@
-"""``iotmon chaos``, short: a few stream kills, a broker restart and a trainer kill, then an exact reconciliation."""
+"""``iotmon chaos``, short: a stream kill mid-batch in each stage from the archive to the alerts, a broker
+restart and a trainer kill, then an exact reconciliation."""
 
 from __future__ import annotations
 
@@ -9,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import BROKER_RESTART, STREAM_KILL, TRAINER_KILL, ChaosOptions, run_chaos
+from bench.chaos import BROKER_RESTART, DRIVER_ONLY, STREAM_KILL, TRAINER_KILL, WHOLE_GROUP, ChaosOptions, run_chaos
 from iotmon import broker
 from iotmon.config import Settings
-from iotmon.schema import ANOMALIES, BRONZE, SILVER
+from iotmon.schema import ALERTS, ANOMALIES, BRONZE, DEVICE_STATUS, SILVER
 from ml import registry
 from tests.support import with_own_broker
 
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.timeout(1800)  # five stream runs, the first model trained under them, the drain and reconciliation
 def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings, tmp_path: Path, spark) -> None:
     # A broker of the test's own, which chaos restarts; small batches and a short feature history, so that the
     # trainer has its first model within a minute of readings.
@@ -29,8 +31,14 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
         trigger_interval="1 seconds",
         feature_history="10 seconds",
     )
+    # One kill while a batch is in flight in each stage: the archive, the deduplicating MERGE, a stateful query
+    # (transformWithState with timers; the window aggregations share its state store and checkpoint protocol),
+    # the scorer and the alerts MERGE. Seed 4 restarts the broker in the second run and takes only the Python
+    # driver in the second and third, orphaning their JVMs.
+    kill_in = (BRONZE, SILVER, DEVICE_STATUS, ANOMALIES, ALERTS)
     options = ChaosOptions(
-        kills=3,
+        kills=len(kill_in),
+        kill_in=kill_in,
         broker_restarts=1,
         trainer_kills=1,
         seed=4,
@@ -45,11 +53,15 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
 
     assert report.exact, printed
     assert "RESULT: exact" in printed
-    # The faults really happened: three stream kills, one broker restart under a running stream, and a trainer
-    # killed while its MLflow run was open.
+    # The faults really happened: a stream kill mid-batch in each stage, in order, both kinds of kill, one broker
+    # restart under a running stream, and a trainer killed while its MLflow run was open.
     counts = report.counts()
-    assert counts[STREAM_KILL] == 3 and counts[BROKER_RESTART] == 1, printed
-    assert printed.count("/3: SIGKILL stream (") == 3  # the progress lines, one per kill as it lands
+    assert counts[STREAM_KILL] == len(kill_in) and counts[BROKER_RESTART] == 1, printed
+    kills = [f.facts for f in report.faults if f.kind == STREAM_KILL]
+    assert [k["query"] for k in kills] == list(kill_in), printed
+    assert all(k["batch"] is not None for k in kills), printed  # each saw its batch in flight
+    assert {k["scope"] for k in kills} == {WHOLE_GROUP, DRIVER_ONLY}, printed
+    assert printed.count(f"/{len(kill_in)}: SIGKILL stream (") == len(kill_in)  # a progress line as each lands
     mid_write = [f for f in report.faults if f.kind == TRAINER_KILL and f.facts["mid_write"]]
     assert len(mid_write) == 1, printed
     facts = mid_write[0].facts
@@ -72,7 +84,7 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
     # Nothing it started is left: no broker, no process of any child's group.
     assert not broker.status(own).running
     groups = [pid for pids in report.process_groups.values() for pid in pids]
-    assert len(report.process_groups["stream"]) >= 3 and report.process_groups["trainer"]
+    assert len(report.process_groups["stream"]) >= len(kill_in) and report.process_groups["trainer"]
     for pid in groups:
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
