@@ -1,8 +1,9 @@
 """Anomaly features: one set of DataFrame functions for the batch trainer and the streaming scorer.
 
 A reading's features depend on its device's readings in the ``history`` before it
-(``IOTMON_FEATURE_HISTORY``), and on whether *those* readings looked suspect against their own history:
-so on at most ``lookback = 2 x history`` of the device's past, and on nothing else. That bound is what
+(``IOTMON_FEATURE_HISTORY``), and on whether *those* readings looked suspect against their own history,
+which uses the jump of each reading in it from the reading before: so on at most ``lookback = 3 x
+history`` of the device's past, and on nothing else. That bound is what
 lets the two paths agree exactly: the trainer applies ``reading_features`` to the whole archive, the
 scorer to a micro-batch plus the silver rows of the same devices in the lookback before the batch's
 first reading; each reading sees the same rows either way, so its features are the same.
@@ -66,8 +67,9 @@ class FeatureSpec:
 
     @property
     def lookback_s(self) -> float:
-        """History a reading's features depend on: its own, and that of the readings in it (suspicion)."""
-        return 2 * self.history_s
+        """History a reading's features depend on: its own, that of the readings in it (suspicion), and
+        the reading before each of *those* (their jumps)."""
+        return 3 * self.history_s
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FeatureSpec:

@@ -93,6 +93,24 @@ def test_features_from_the_lookback_alone_equal_those_from_the_whole_archive(spa
                 assert math.isclose(scorer[key][metric][name], value, rel_tol=1e-9, abs_tol=1e-12), (key, metric, name)
 
 
+def test_the_lookback_reaches_the_reading_before_the_oldest_jump_a_feature_depends_on(spark: SparkSession) -> None:
+    """The longest chain: a reading's features use whether each reading ``h`` in its history was suspect;
+    that uses the jumps of the readings in ``h``'s own history, and a jump reaches back to the reading
+    before it. So a jump at the far edge, made by a spike just before it, decides the first reading of a
+    batch (the demo once scored a late reading against a context that missed such a spike)."""
+    history = SPEC.history_s
+    batch_start = 3 * history + 10.0
+    temperatures = _noisy(int(batch_start) + 10)
+    temperatures[int(batch_start - 2 * history - 1)] = 60.0  # the spike before the far edge's jump
+    temperatures[int(batch_start - history)] = temperatures[int(batch_start - history)] + 3.0  # borderline
+    rows = _series("dev-1", temperatures)
+    lookback = [r for r in rows if at(batch_start - SPEC.lookback_s) <= r["event_time"]]
+    window = (at(batch_start), at(batch_start))
+    whole = _features_between(reading_features(silver_frame(spark, rows), SPEC), *window)
+    scorer = _features_between(reading_features(silver_frame(spark, lookback), SPEC), *window)
+    assert len(whole) == 1 and scorer == whole
+
+
 def _features_between(featured: DataFrame, start, end) -> dict:
     rows = featured.where(F.col("event_time").between(start, end)).collect()
     return {(r["device_id"], r["seq"]): {m: r[f"f_{m}"].asDict() for m in METRIC_NAMES} for r in rows}
