@@ -83,11 +83,12 @@ def _previous_column(metric: str, lag: int) -> str:
 def _with_previous(readings: DataFrame, spec: FeatureSpec) -> DataFrame:
     """Add each metric's previous values in the history, ``_<metric>_<k>`` for the k-th latest (null when
     there is none): the latest on-time readings at least ``settle_s`` and at most ``history_s`` older."""
-    newest_first = Window.partitionBy(DEVICE_ID).orderBy(F.desc(_MICROS), F.desc(SEQ)).rowsBetween(1, PREVIOUS_ROWS)
+    # Ascending, like the history window, so one sort serves both; the list is reversed to newest first.
+    before = Window.partitionBy(DEVICE_ID).orderBy(_MICROS, SEQ).rowsBetween(-PREVIOUS_ROWS, -1)
     now = F.col(_MICROS)
     earlier = F.collect_list(F.struct(F.col(_MICROS).alias("us"), F.col(_ON_TIME).alias("ok"), *METRIC_NAMES))
     candidates = F.filter(
-        earlier.over(newest_first),
+        F.reverse(earlier.over(before)),
         lambda r: (
             r["ok"]
             & (r["us"] <= now - int(spec.settle_s * 1_000_000))
@@ -115,8 +116,9 @@ def _history_stats(value: Column, jump: Column, history: Window) -> tuple[Column
 
 
 def _first_pass(metric: str, history: Window) -> dict[str, Column]:
-    """Per metric: the jump from the previous reading, the run of exact repeats, and whether the reading
-    is suspect against its plain history (far from its mean, a big jump, or repeating itself)."""
+    """Per metric: the jump from the previous reading, the run of exact repeats, the plain history's
+    statistics (kept for the second pass), and whether the reading is suspect against them (far from the
+    mean, a big jump, or repeating itself)."""
     value, previous, on_time = F.col(metric), F.col(_previous_column(metric, 1)), F.col(_ON_TIME)
     jump = F.abs(value - previous)
     mean, noise, known = _history_stats(F.when(on_time, value), F.when(on_time, jump), history)
@@ -131,26 +133,35 @@ def _first_pass(metric: str, history: Window) -> dict[str, Column]:
     return {
         f"_{metric}_jump": jump,
         f"_{metric}_repeats": repeats.cast("double"),
+        f"_{metric}_plain_mean": mean,
+        f"_{metric}_plain_noise": noise,
+        f"_{metric}_plain_known": known,
         f"_{metric}_clean": on_time & ~F.coalesce(suspect, F.lit(False)),
     }
+
+
+def _spread(values: list[Column]) -> Column:
+    """Sample standard deviation of the non-null ``values``, as plain column arithmetic: array lambdas
+    get no generated code and are interpreted row by row."""
+    count, total, squares = F.lit(0), F.lit(0.0), F.lit(0.0)
+    for v in values:
+        count, total = count + v.isNotNull().cast("int"), total + F.coalesce(v, F.lit(0.0))
+    mean = total / count
+    for v in values:
+        squares = squares + F.coalesce((v - mean) * (v - mean), F.lit(0.0))
+    return F.sqrt(squares / F.greatest(count - 1, F.lit(1)))
 
 
 def _metric_features(metric: str, history: Window) -> Column:
     """The four features against the history's unsuspected readings, so that an anomaly neither hides
     itself (a drift dragging its own baseline) nor haunts the readings after it."""
-    value, clean, on_time = F.col(metric), F.col(f"_{metric}_clean"), F.col(_ON_TIME)
+    value, clean = F.col(metric), F.col(f"_{metric}_clean")
     jump = F.col(f"_{metric}_jump")
     mean, noise, known = _history_stats(F.when(clean, value), F.when(clean, jump), history)
-    plain_mean, plain_noise, plain_known = _history_stats(F.when(on_time, value), F.when(on_time, jump), history)
+    plain_mean, plain_noise, plain_known = (F.col(f"_{metric}_plain_{stat}") for stat in ("mean", "noise", "known"))
     # A history made only of suspects (deep inside a long episode) falls back to the plain one.
     mean, noise = F.when(known, mean).otherwise(plain_mean), F.when(known, noise).otherwise(plain_noise)
-    recent = F.filter(
-        F.array(value, *[F.col(_previous_column(metric, lag)) for lag in range(1, SPREAD_DEPTH)]),
-        lambda v: v.isNotNull(),
-    )
-    recent_mean = F.aggregate(recent, F.lit(0.0), lambda acc, v: acc + v) / F.size(recent)
-    squares = F.aggregate(recent, F.lit(0.0), lambda acc, v: acc + (v - recent_mean) * (v - recent_mean))
-    spread = F.sqrt(squares / F.greatest(F.size(recent) - 1, F.lit(1)))
+    spread = _spread([value, *[F.col(_previous_column(metric, lag)) for lag in range(1, SPREAD_DEPTH)]])
     # From the latest unsuspected reading, so the return from a spike is not a second spike.
     last_clean = F.last(F.when(clean, value), ignorenulls=True).over(history)
     features = {
