@@ -27,6 +27,7 @@ a reading's score is its most anomalous metric's.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from dataclasses import dataclass
 
@@ -176,23 +177,28 @@ def _metric_features(metric: str, history: Window) -> Column:
     )
 
 
-def reading_features(readings: DataFrame, spec: FeatureSpec) -> DataFrame:
+def reading_features(readings: DataFrame, spec: FeatureSpec, since: dt.datetime | None = None) -> DataFrame:
     """Silver readings with one struct column of features per metric (``f_<metric>``), same rows.
 
     ``readings`` must hold, for each reading to be featurised, its device's readings in the
-    ``spec.lookback_s`` before it (the scorer adds them; the archive has them).
+    ``spec.lookback_s`` before it (the scorer adds them; the archive has them). With ``since``, only the
+    readings at or after it are featurised and returned; the rows before it are history, and each step
+    drops those that no wanted feature depends on any more (most of a scorer's context is history).
     """
-    history = (
-        Window.partitionBy(DEVICE_ID)
-        .orderBy(_MICROS)
-        .rangeBetween(-int(spec.history_s * 1_000_000), -int(spec.settle_s * 1_000_000))
-    )
+    history_us = int(spec.history_s * 1_000_000)
+    history = Window.partitionBy(DEVICE_ID).orderBy(_MICROS).rangeBetween(-history_us, -int(spec.settle_s * 1_000_000))
+
+    def still_needed(frame: DataFrame, histories_left: int) -> DataFrame:
+        if since is None:
+            return frame
+        return frame.where(F.col(_MICROS) >= F.unix_micros(F.lit(since)) - histories_left * history_us)
+
     marked = readings.withColumns({_MICROS: F.unix_micros(EVENT_TIME), _ON_TIME: F.col("lateness") == ON_TIME})
-    with_previous = _with_previous(marked, spec)
+    with_previous = still_needed(_with_previous(marked, spec), 2)
     first = with_previous.withColumns({k: v for m in METRIC_NAMES for k, v in _first_pass(m, history).items()})
     features = {f"f_{m}": _metric_features(m, history) for m in METRIC_NAMES}
     helpers = [c for c in first.columns if c not in readings.columns]
-    return first.withColumns(features).drop(*helpers)
+    return still_needed(still_needed(first, 1).withColumns(features), 0).drop(*helpers)
 
 
 def metric_rows(featured: DataFrame, keep: tuple[str, ...] = ()) -> DataFrame:

@@ -16,6 +16,7 @@ a model appears the scorer starts from its checkpoint, so every reading that arr
 
 from __future__ import annotations
 
+import datetime as dt
 import sys
 import threading
 from collections.abc import Callable
@@ -53,10 +54,17 @@ def ensure_anomalies_table(spark: SparkSession, settings: Settings) -> None:
     )
 
 
-def scored_readings(batch: DataFrame, context: DataFrame, pipeline: PipelineModel, ref: registry.ModelRef) -> DataFrame:
+def scored_readings(
+    batch: DataFrame,
+    context: DataFrame,
+    pipeline: PipelineModel,
+    ref: registry.ModelRef,
+    since: dt.datetime | None = None,
+) -> DataFrame:
     """Rows of ``ANOMALIES_SCHEMA`` for the readings of ``batch``; ``context`` is silver around them (the
-    batch's devices over the lookback before the batch, the batch included)."""
-    featured = reading_features(context, FeatureSpec(ref.feature_history_s))
+    batch's devices over the lookback before the batch, the batch included), ``since`` the batch's first
+    event time when known, so that only readings from then on are featurised."""
+    featured = reading_features(context, FeatureSpec(ref.feature_history_s), since)
     mine = featured.join(batch.select(*READING_KEY), list(READING_KEY), "left_semi")
     scores = anomaly_scores(mine, pipeline, keep=KEPT_COLUMNS)
     columns = {
@@ -68,11 +76,16 @@ def scored_readings(batch: DataFrame, context: DataFrame, pipeline: PipelineMode
     return scores.withColumns(columns).select(*[F.col(f.name).cast(f.dataType) for f in ANOMALIES_SCHEMA.fields])
 
 
-def history_of(silver: DataFrame, batch: DataFrame, lookback_s: float) -> DataFrame | None:
-    """The silver rows a batch's features need: its devices, from ``lookback_s`` before its first reading."""
+def event_time_bounds(batch: DataFrame) -> tuple[dt.datetime, dt.datetime] | None:
+    """A batch's first and last event time; None for an empty batch."""
     bounds = batch.agg(F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
-    if bounds is None or bounds[0] is None:
-        return None
+    return None if bounds is None or bounds[0] is None else (bounds[0], bounds[1])
+
+
+def history_of(
+    silver: DataFrame, batch: DataFrame, bounds: tuple[dt.datetime, dt.datetime], lookback_s: float
+) -> DataFrame:
+    """The silver rows a batch's features need: its devices, from ``lookback_s`` before its first reading."""
     start = F.lit(bounds[0]) - F.expr(f"INTERVAL {int(lookback_s * 1000)} MILLISECONDS")
     in_range = silver.where(F.col(EVENT_TIME).between(start, F.lit(bounds[1])))
     return in_range.join(F.broadcast(batch.select(DEVICE_ID).distinct()), DEVICE_ID, "left_semi")
@@ -151,13 +164,15 @@ def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
         silver = spark.read.format("delta").load(settings.table_path(SILVER))
         batch.persist()
         try:
-            context = history_of(silver, batch, FeatureSpec(ref.feature_history_s).lookback_s)
-            if context is None:
+            bounds = event_time_bounds(batch)
+            if bounds is None:
                 return
+            context = history_of(silver, batch, bounds, FeatureSpec(ref.feature_history_s).lookback_s)
             if not pinned:
                 write_text(spark, pin, str(ref.version))
                 write_text(spark, f"{checkpoint}/model-pins/{batch_id - PINS_KEPT}", None)
-            append_once(scored_readings(batch, context, pipeline, ref), path, app_id(batch), batch_id)
+            scores = scored_readings(batch, context, pipeline, ref, since=bounds[0])
+            append_once(scores, path, app_id(batch), batch_id)
         finally:
             batch.unpersist()
 

@@ -3,6 +3,7 @@ computed from its lookback alone equal those computed from the whole archive."""
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 
 import numpy as np
@@ -84,7 +85,8 @@ def test_features_from_the_lookback_alone_equal_those_from_the_whole_archive(spa
     batch_start, batch_end = at(55), at(70)
     lookback = [r for r in rows if at(55 - SPEC.lookback_s) <= r["event_time"] <= batch_end]
     whole = _features_between(reading_features(archive, SPEC), batch_start, batch_end)
-    scorer = _features_between(reading_features(silver_frame(spark, lookback), SPEC), batch_start, batch_end)
+    # As the scorer asks: from the batch's first reading on, the rows before it being history only.
+    scorer = _features_between(reading_features(silver_frame(spark, lookback), SPEC, since=batch_start))
     assert len(whole) > 40
     assert scorer.keys() == whole.keys()
     for key, expected in whole.items():
@@ -107,12 +109,15 @@ def test_the_lookback_reaches_the_reading_before_the_oldest_jump_a_feature_depen
     lookback = [r for r in rows if at(batch_start - SPEC.lookback_s) <= r["event_time"]]
     window = (at(batch_start), at(batch_start))
     whole = _features_between(reading_features(silver_frame(spark, rows), SPEC), *window)
-    scorer = _features_between(reading_features(silver_frame(spark, lookback), SPEC), *window)
+    scorer = _features_between(reading_features(silver_frame(spark, lookback), SPEC, since=window[0]), *window)
     assert len(whole) == 1 and scorer == whole
 
 
-def _features_between(featured: DataFrame, start, end) -> dict:
-    rows = featured.where(F.col("event_time").between(start, end)).collect()
+def _features_between(featured: DataFrame, start: dt.datetime | None = None, end: dt.datetime | None = None) -> dict:
+    """Features by reading key, of the readings between ``start`` and ``end`` (all when not given)."""
+    if start is not None and end is not None:
+        featured = featured.where(F.col("event_time").between(start, end))
+    rows = featured.collect()
     return {(r["device_id"], r["seq"]): {m: r[f"f_{m}"].asDict() for m in METRIC_NAMES} for r in rows}
 
 
