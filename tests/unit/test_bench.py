@@ -6,8 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 
 from bench import report as shaping
+from bench.features import main as features_main
+from bench.features import synthetic_silver
 from bench.latency import Latency
 from bench.run import BenchOptions
 from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
@@ -15,6 +19,7 @@ from bench.system import machine_info, parse_meminfo, parse_status_rss
 from bench.throughput import KAFKA, behind
 from bench.training import copies_and_share
 from iotmon.cli import build_parser
+from iotmon.schema import SILVER_SCHEMA
 
 MEMINFO = (
     "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\nHugePages_Total:       0\n"
@@ -210,3 +215,15 @@ def test_bench_flags_parse() -> None:
     assert args.skip == ["steady", "training"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--scale", "lots"])
+
+
+def test_the_features_benchmark_builds_its_archive_and_prints_both_cases(
+    spark: SparkSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    archive = synthetic_silver(spark, devices=4, readings=50)
+    assert [(f.name, f.dataType) for f in archive.schema] == [(f.name, f.dataType) for f in SILVER_SCHEMA]
+    assert archive.count() == 200 and archive.select("device_id", "seq").distinct().count() == 200
+    assert archive.where(F.col("lateness") == "late").count() > 0
+    assert features_main(["--devices", "3", "--readings", "40", "--history", "5", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["whole", "a"] and all("median" in line for line in lines)
