@@ -259,7 +259,7 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     from iotmon.spark import spark_session
     from ml.features import FeatureSpec
     from ml.model import ModelParams
-    from ml.train import TrainingError, TrainOptions, archive_extent, train
+    from ml.train import TrainingError, TrainOptions, archive_extent, reason_to_wait, train
 
     if settings.mlflow_tracking_uri is None:
         require_writable(settings, "home")  # the local MLflow store
@@ -283,17 +283,18 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
             raise CommandError(str(exc)) from None
         return 0
     stop = stop_on_signals()
-    spec, spark = FeatureSpec.from_settings(settings), None
+    spec, spark, trained_on = FeatureSpec.from_settings(settings), None, None
     while True:
         started, wait = time.monotonic(), args.every
-        extent = archive_extent(settings)
-        shortfall = "no silver table yet" if extent is None else extent.shortfall(spec)
         try:
-            if shortfall:  # checked without Spark: no JVM of ours slows the stream while it starts
-                raise TrainingError(shortfall)
+            # Checked without Spark: no JVM of ours slows the stream while it starts.
+            if reason := reason_to_wait(archive_extent(settings), spec, trained_on):
+                raise TrainingError(reason)
             spark = spark or spark_session(settings, "iotmon-train")
-            print(train(spark, settings, options).report(), flush=True)
-        except TrainingError as exc:  # not enough data yet: look again soon
+            report = train(spark, settings, options)
+            trained_on = report.silver_version
+            print(report.report(), flush=True)
+        except TrainingError as exc:  # not enough data, or nothing new, yet: look again soon
             wait = min(args.every, TRAIN_RETRY_SECONDS)
             print(f"iotmon train: {exc}; looking again in {wait:g}s", file=sys.stderr, flush=True)
         except Exception as exc:  # keep retraining; the champion stays whatever it was

@@ -84,6 +84,16 @@ def archive_extent(settings: Settings) -> ArchiveExtent | None:
     )
 
 
+def reason_to_wait(extent: ArchiveExtent | None, spec: FeatureSpec, trained_on: int | None) -> str | None:
+    """Why a periodic trainer should not train now: no archive yet, too little of it, or nothing new since its
+    last run (a stopped stream or an idle fleet would otherwise register the same model again and again)."""
+    if extent is None:
+        return "no silver table yet"
+    if extent.version == trained_on:
+        return f"silver v{extent.version} has not changed since the last run"
+    return extent.shortfall(spec)
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     params: ModelParams = field(default_factory=ModelParams)
