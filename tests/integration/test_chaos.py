@@ -23,13 +23,13 @@ pytestmark = pytest.mark.integration
 @pytest.mark.timeout(1800)  # five stream runs, the first model trained under them, the drain and reconciliation
 def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings, tmp_path: Path, spark) -> None:
     # A broker of the test's own, which chaos restarts; small batches and a short feature history, so that the
-    # trainer has its first model within a minute of readings.
+    # trainer has its first model from silver's first batch (four histories: 20 s of readings).
     own = with_own_broker(
         isolated,
         tmp_path / "home",
         max_offsets_per_trigger=2_000,
         trigger_interval="1 seconds",
-        feature_history="10 seconds",
+        feature_history="5 seconds",
     )
     # One kill while a batch is in flight in each stage: the archive, the deduplicating MERGE, a stateful query
     # (transformWithState with timers; the window aggregations share its state store and checkpoint protocol),
@@ -44,7 +44,7 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
         seed=4,
         devices=40,
         rate=80.0,
-        retrain_every_s=15.0,
+        retrain_every_s=120.0,  # a run takes about a minute here: the stream keeps a core between runs
         max_delay_s=20.0,
     )
     out = io.StringIO()
