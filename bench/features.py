@@ -17,7 +17,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from iotmon.config import Settings
-from iotmon.schema import DEVICE_ID, EVENT_TIME, LATE, METRIC_NAMES, ON_TIME, SEQ, SILVER_SCHEMA
+from iotmon.schema import DEVICE_ID, EVENT_TIME, LATE, LATENESS, METRIC_NAMES, ON_TIME, SEQ, SILVER_SCHEMA
 from ml.features import FeatureSpec, reading_features
 
 START = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -35,7 +35,7 @@ def synthetic_silver(spark: SparkSession, devices: int, readings: int, seed: int
         DEVICE_ID: F.format_string("dev-%06d", (index % devices).cast("int")),
         SEQ: second,
         EVENT_TIME: F.timestamp_seconds(F.lit(int(START.timestamp())) + second),
-        "lateness": F.when(F.rand(seed + 11) < 0.03, F.lit(LATE)).otherwise(F.lit(ON_TIME)),
+        LATENESS: F.when(F.rand(seed + 11) < 0.03, F.lit(LATE)).otherwise(F.lit(ON_TIME)),
         **metrics,
     }
     rows = spark.range(devices * readings).select(*[column.alias(name) for name, column in values.items()])

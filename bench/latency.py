@@ -27,7 +27,18 @@ from pyspark.sql.types import StringType, StructField, StructType
 
 from iotmon.config import Settings
 from iotmon.lake import list_files
-from iotmon.schema import ANOMALIES, BRONZE, DEVICE_ID, DEVICE_WINDOWS, EVENT_TIME, LIVE_WINDOWS, ON_TIME, SEQ, SILVER
+from iotmon.schema import (
+    ANOMALIES,
+    BRONZE,
+    DEVICE_ID,
+    DEVICE_WINDOWS,
+    EVENT_TIME,
+    LATENESS,
+    LIVE_WINDOWS,
+    ON_TIME,
+    SEQ,
+    SILVER,
+)
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
 WINDOW_TABLES: tuple[str, ...] = (DEVICE_WINDOWS, LIVE_WINDOWS)
@@ -88,7 +99,7 @@ def measure(spark: SparkSession, settings: Settings, since: datetime, until: dat
         window = F.col(column) >= F.lit(since)
         return window & (F.col(column) < F.lit(until)) if until is not None else window
 
-    silver = load(SILVER).where(in_range(EVENT_TIME) & (F.col("lateness") == ON_TIME))
+    silver = load(SILVER).where(in_range(EVENT_TIME) & (F.col(LATENESS) == ON_TIME))
     on_time = silver.select(DEVICE_ID, SEQ)
     bronze = load(BRONZE).where(in_range("kafka_timestamp") & F.col("parse_error").isNull())
     anomalies = load(ANOMALIES).where(in_range(EVENT_TIME)).join(on_time, [DEVICE_ID, SEQ], "left_semi")

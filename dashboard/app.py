@@ -37,6 +37,7 @@ from iotmon.schema import (
     DEVICES,
     EVENT_TIME,
     LATE,
+    LATENESS,
     LIVE_WINDOWS,
     METRICS,
     OFFLINE,
@@ -386,7 +387,7 @@ class Views:
         latest = shaping.latest_per_query(series)
         since = self.since()
         lateness = shaping.lateness_counts(
-            self.reader.counts(SILVER, "lateness", since=None if since is None else (EVENT_TIME, since))
+            self.reader.counts(SILVER, LATENESS, since=None if since is None else (EVENT_TIME, since))
         )
         newest_quarantined = self.reader.newest(QUARANTINE, "ingest_time")
         quarantined = self.reader.read(

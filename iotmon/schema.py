@@ -98,7 +98,8 @@ LAKE_TABLES: tuple[str, ...] = (
     ALERTS,
 )
 
-# How late a reading reached Kafka (Kafka timestamp minus event time), as silver records it.
+# How late a reading reached Kafka (Kafka timestamp minus event time), as silver records it in ``LATENESS``.
+LATENESS = "lateness"
 ON_TIME, LATE, TOO_LATE = "on_time", "late", "too_late"
 LATENESS_LEVELS: tuple[str, ...] = (ON_TIME, LATE, TOO_LATE)
 
@@ -161,7 +162,7 @@ SILVER_SCHEMA = StructType(
         StructField("model", StringType()),
         StructField("out_of_range", StringType()),
         StructField("arrival_delay_s", DoubleType()),
-        StructField("lateness", StringType()),
+        StructField(LATENESS, StringType()),
         StructField("partition", IntegerType()),
         StructField("offset", LongType()),
         StructField("kafka_timestamp", TimestampType()),

@@ -35,7 +35,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.schema import DEVICE_ID, EVENT_TIME, METRIC_NAMES, ON_TIME, SEQ
+from iotmon.schema import DEVICE_ID, EVENT_TIME, LATENESS, METRIC_NAMES, ON_TIME, SEQ
 
 FEATURE_VERSION = 2
 """Bumped whenever the features change meaning: a model trained on other features is not served."""
@@ -193,7 +193,7 @@ def reading_features(readings: DataFrame, spec: FeatureSpec, since: dt.datetime 
             return frame
         return frame.where(F.col(_MICROS) >= F.unix_micros(F.lit(since)) - histories_left * history_us)
 
-    marked = readings.withColumns({_MICROS: F.unix_micros(EVENT_TIME), _ON_TIME: F.col("lateness") == ON_TIME})
+    marked = readings.withColumns({_MICROS: F.unix_micros(EVENT_TIME), _ON_TIME: F.col(LATENESS) == ON_TIME})
     with_previous = still_needed(_with_previous(marked, spec), 2)
     first = with_previous.withColumns({k: v for m in METRIC_NAMES for k, v in _first_pass(m, history).items()})
     features = {f"f_{m}": _metric_features(m, history) for m in METRIC_NAMES}

@@ -28,6 +28,7 @@ from iotmon.schema import (
     DEVICE_ID,
     EVENT_TIME,
     LATE,
+    LATENESS,
     METRICS,
     ON_TIME,
     QUARANTINE_SCHEMA,
@@ -81,7 +82,7 @@ def classify_readings(bronze: DataFrame, devices: DataFrame, rules: LatenessRule
         parsed.join(registry, DEVICE_ID, "left")
         .withColumn("out_of_range", _out_of_range())
         .withColumn("arrival_delay_s", delay_s)
-        .withColumn("lateness", lateness(F.col("arrival_delay_s"), rules))
+        .withColumn(LATENESS, lateness(F.col("arrival_delay_s"), rules))
         .withColumn(_REJECT, F.when(F.col("device_type").isNull(), F.lit(UNREGISTERED_DEVICE)))
     )
 

@@ -16,7 +16,7 @@ from pyspark.sql.types import StructField, StructType, TimestampType
 
 from iotmon.config import Settings
 from iotmon.lake import create_table
-from iotmon.schema import DEVICE_ID, EVENT_TIME, LATE, ON_TIME, SILVER, STREAM_CLOCK, TOO_LATE
+from iotmon.schema import DEVICE_ID, EVENT_TIME, LATE, LATENESS, ON_TIME, SILVER, STREAM_CLOCK, TOO_LATE
 
 CLOCK_SCHEMA = StructType([StructField(EVENT_TIME, TimestampType(), False)])
 ARRIVALS = "arrivals"
@@ -39,7 +39,7 @@ def readings_and_ticks(spark: SparkSession, settings: Settings) -> DataFrame:
 
 def observe_arrivals(frame: DataFrame) -> DataFrame:
     """Count the batch's readings by lateness, and the ticks; apply it right after the watermark."""
-    lateness, device = F.col("lateness"), F.col(DEVICE_ID)
+    lateness, device = F.col(LATENESS), F.col(DEVICE_ID)
     return frame.observe(
         ARRIVALS,
         F.count(device).alias("readings"),

@@ -35,6 +35,7 @@ from iotmon.schema import (
     BRONZE,
     DEVICE_WINDOWS,
     DEVICES,
+    LATENESS,
     LIVE_WINDOWS,
     SILVER,
 )
@@ -152,7 +153,7 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     check.silver_rows = silver.count()
 
     expected_silver = silver_from_bronze(bronze, devices, LatenessRules.from_settings(settings))
-    columns = [*READING_KEY, "partition", "offset", "lateness", "out_of_range", "device_type", "site"]
+    columns = [*READING_KEY, "partition", "offset", LATENESS, "out_of_range", "device_type", "site"]
     count, problems = compare_tables(expected_silver.select(columns), silver.select(columns), READING_KEY, SILVER)
     if problems:
         problems.append("silver: if the device registry or the silver logic changed since, run `iotmon backfill`")
@@ -245,9 +246,9 @@ def _silver_against_truth(
             *READING_KEY,
             F.col("f.partition").cast("int").alias("partition"),
             F.col("f.offset").alias("offset"),
-            lateness(F.col("f.delay_s"), rules).alias("lateness"),
+            lateness(F.col("f.delay_s"), rules).alias(LATENESS),
         )
     )
-    actual = silver.select(*READING_KEY, "partition", "offset", "lateness")
+    actual = silver.select(*READING_KEY, "partition", "offset", LATENESS)
     _, problems = compare_tables(expected, actual, READING_KEY, "silver vs ground truth")
     return problems

@@ -21,6 +21,7 @@ from iotmon.schema import (
     DEVICE_WINDOWS,
     EVENT_TIME,
     LATE,
+    LATENESS,
     METRIC_NAMES,
     ON_TIME,
     SITE_WINDOWS,
@@ -68,7 +69,7 @@ STAT_COLUMNS: tuple[str, ...] = (
 
 def countable(readings: DataFrame) -> DataFrame:
     """Readings the aggregates count: everything but ``too_late`` (and the event-time clock's ticks)."""
-    return readings.where(F.col("lateness").isin(ON_TIME, LATE))
+    return readings.where(F.col(LATENESS).isin(ON_TIME, LATE))
 
 
 def _windowed(readings: DataFrame, window: Column, group: tuple[str, ...], carried: tuple[str, ...] = ()) -> DataFrame:
