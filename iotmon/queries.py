@@ -26,6 +26,9 @@ Trigger = dict[str, Any]
 """Keyword arguments of ``DataStreamWriter.trigger``: ``{"availableNow": True}``, ``{"processingTime": ...}``."""
 
 AVAILABLE_NOW: Trigger = {"availableNow": True}
+SCHEDULER_POOL = "spark.scheduler.pool"
+"""The local property naming a job's fair-scheduler pool; a query's jobs inherit it from the thread that
+starts it, its ``foreachBatch`` writes included."""
 READY_POLL_SECONDS = 10.0
 """How often a waiting query asks again whether it can run."""
 
@@ -45,8 +48,12 @@ class QuerySpec:
 def start_query(
     spec: QuerySpec, spark: SparkSession, settings: Settings, trigger: Trigger, out: TextIO
 ) -> StreamingQuery:
-    """Start ``spec`` after clearing what a crash in its first offset write may have left (see
-    ``iotmon.lake.remove_unfinished_first_batch``)."""
+    """Start ``spec`` in a fair-scheduler pool of its own, after clearing what a crash in its first offset
+    write may have left (see ``iotmon.lake.remove_unfinished_first_batch``).
+
+    With the session's FAIR scheduler (``iotmon.spark``), a pool per query lets a small bronze batch take the
+    next free core instead of queueing behind every task of a scorer batch, as one FIFO queue would have it.
+    """
     from iotmon.lake import remove_unfinished_first_batch
 
     if removed := remove_unfinished_first_batch(spark, settings.checkpoint_path(spec.name)):
@@ -55,7 +62,12 @@ def start_query(
             file=out,
             flush=True,
         )
-    return spec.start(spark, settings, trigger)
+    context = spark.sparkContext
+    context.setLocalProperty(SCHEDULER_POOL, spec.name)
+    try:
+        return spec.start(spark, settings, trigger)
+    finally:
+        context.setLocalProperty(SCHEDULER_POOL, None)  # type: ignore[arg-type]  # None removes it
 
 
 class QueryFailed(RuntimeError):

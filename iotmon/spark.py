@@ -52,6 +52,9 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
         # JAAS line (it holds the SASL password) is named explicitly rather than left to a value match.
         .config("spark.sql.redaction.options.regex", SPARK_OPTIONS_REDACTION)
         .config("spark.sql.streaming.metricsEnabled", "true")
+        # The queries share the cores by pool (one each, see ``iotmon.queries.start_query``), not first come,
+        # first served.
+        .config("spark.scheduler.mode", "FAIR")
         # RocksDB keeps state off the JVM heap (transformWithState requires it); the changelog makes a
         # state commit write only what changed. Both are fixed into a stateful query's checkpoint.
         .config(

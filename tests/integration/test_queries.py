@@ -13,7 +13,15 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings
-from iotmon.queries import AVAILABLE_NOW, QueryFailed, QuerySpec, Trigger, run_continuously, run_until_idle
+from iotmon.queries import (
+    AVAILABLE_NOW,
+    SCHEDULER_POOL,
+    QueryFailed,
+    QuerySpec,
+    Trigger,
+    run_continuously,
+    run_until_idle,
+)
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
@@ -101,3 +109,34 @@ def test_a_crash_in_the_first_offset_write_does_not_block_the_query_forever(
     run_until_idle(spark, settings, [spec], out)
     assert seen == [5]
     assert "first: removed .0.5b5a3108-152f-4a30-b5e0-cc790d5b3a60.tmp" in out.getvalue()
+
+
+def test_each_query_runs_its_jobs_in_a_fair_scheduler_pool_of_its_own(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    settings = dataclasses.replace(base_settings, checkpoints=str(tmp_path / "checkpoints"))
+    source = str(tmp_path / "source")
+    spark.range(5).write.format("delta").save(source)
+    pools: list[str | None] = []
+
+    def write(batch: DataFrame, _: int) -> None:
+        pools.append(batch.sparkSession.sparkContext.getLocalProperty(SCHEDULER_POOL))
+        batch.count()  # a job, which the scheduler files under the batch's pool
+
+    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+        return (
+            spark.readStream.format("delta")
+            .load(source)
+            .writeStream.queryName("pooled")
+            .foreachBatch(write)
+            .option("checkpointLocation", settings.checkpoint_path("pooled"))
+            .trigger(**trigger)
+            .start()
+        )
+
+    context = spark.sparkContext
+    assert context.getConf().get("spark.scheduler.mode") == "FAIR"
+    run_until_idle(spark, settings, [QuerySpec("pooled", start)], io.StringIO())
+    assert pools == ["pooled"]
+    assert context._jsc.sc().getPoolForName("pooled").isDefined(), "no task set ran in the query's pool"
+    assert context.getLocalProperty(SCHEDULER_POOL) is None, "the starting thread's own jobs stay in the default pool"
