@@ -44,9 +44,14 @@ def detection_metrics(labelled: DataFrame, threshold: float) -> dict[str, float]
         .collect()
     }
     false_alarms = counts.get(("normal", True), 0)
+    normal = false_alarms + counts.get(("normal", False), 0)
     hits = sum(counts.get((kind, True), 0) for kind in ANOMALY_TYPES)
     precision = hits / (hits + false_alarms) if hits + false_alarms else 0.0
-    metrics: dict[str, float] = {"readings": float(sum(counts.values()))}
+    metrics: dict[str, float] = {
+        "readings": float(sum(counts.values())),
+        "false_alarms": float(false_alarms),
+        "false_alarm_rate": false_alarms / normal if normal else 0.0,
+    }
 
     def score(prefix: str, hits: int, misses: int) -> None:
         recall = hits / (hits + misses) if hits + misses else 0.0

@@ -133,9 +133,15 @@ class TrainReport:
                     f"    {name:<20} {self.metrics[prefix + 'precision']:>9.3f} {self.metrics[prefix + 'recall']:>7.3f}"
                     f" {self.metrics[prefix + 'f1']:>6.3f}" + (f"   {episodes:>6.1%}" if episodes is not None else "")
                 )
+            false_alarms = self.metrics["false_alarms"]
+            lines.append(
+                f"    false alarms {false_alarms:,.0f} ({self.metrics['false_alarm_rate']:.3%} of normal readings)"
+            )
         if self.champion_metrics and "f1" in self.champion_metrics:
-            current = self.champion_metrics["f1"]
-            lines.append(f"  champion v{self.champion_version} on the same holdout: f1 {current:.3f}")
+            current, rate = self.champion_metrics["f1"], self.champion_metrics["false_alarm_rate"]
+            lines.append(
+                f"  champion v{self.champion_version} on the same holdout: f1 {current:.3f}, false alarms {rate:.3%}"
+            )
         lines.append(f"  {'PROMOTED' if self.promoted else 'not promoted'}: {self.decision}")
         return "\n".join(lines)
 
@@ -315,7 +321,17 @@ def _decide(
         return True, f"champion v{champion.version} cannot be loaded or evaluated"
     if "f1" not in metrics:
         return False, "no ground truth for the holdout to compare with; promote with --promote"
-    challenger, current = metrics["f1"], champion_metrics["f1"]
-    if challenger >= current:
-        return True, f"holdout f1 {challenger:.3f} >= champion v{champion.version}'s {current:.3f}"
-    return False, f"holdout f1 {challenger:.3f} < champion v{champion.version}'s {current:.3f}"
+    # F1 first; on a tie, fewer false alarms. A holdout without an anomaly episode scores every model's F1 at
+    # 0, and then only the false alarms tell a better model from a worse one.
+    challenger, current = _merit(metrics), _merit(champion_metrics)
+    verdict = ">=" if challenger >= current else "<"
+    decision = (
+        f"holdout f1 {metrics['f1']:.3f}, false alarms {metrics['false_alarm_rate']:.3%} {verdict} champion "
+        f"v{champion.version}'s {champion_metrics['f1']:.3f}, {champion_metrics['false_alarm_rate']:.3%}"
+    )
+    return challenger >= current, decision
+
+
+def _merit(metrics: dict[str, float]) -> tuple[float, float]:
+    """What a promotion compares: F1, then the false-alarm rate (lower is better)."""
+    return metrics["f1"], -metrics["false_alarm_rate"]

@@ -1,11 +1,13 @@
-"""When the periodic trainer trains, and when it waits (decided from silver's extent, without Spark)."""
+"""When the periodic trainer trains, and when it waits (decided from silver's extent, without Spark); when a
+new model replaces the champion."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
 from ml.features import FeatureSpec
-from ml.train import MIN_READINGS, MIN_SPAN_HISTORIES, ArchiveExtent, reason_to_wait
+from ml.registry import ModelRef
+from ml.train import MIN_READINGS, MIN_SPAN_HISTORIES, ArchiveExtent, _decide, reason_to_wait
 
 SPEC = FeatureSpec(10.0)
 START = datetime(2026, 1, 1)
@@ -30,3 +32,32 @@ def test_a_periodic_trainer_waits_while_silver_has_not_changed_since_its_last_ru
     ready = extent(7, 10 * MIN_READINGS, 10 * SPEC.history_s)
     assert reason_to_wait(ready, SPEC, trained_on=7) == "silver v7 has not changed since the last run"
     assert reason_to_wait(ready, SPEC, trained_on=6) is None
+
+
+CHAMPION = ModelRef("iotmon-anomaly", 3, threshold=1.0, feature_history_s=10.0)
+
+
+def holdout(f1: float, false_alarm_rate: float) -> dict[str, float]:
+    return {"f1": f1, "false_alarm_rate": false_alarm_rate}
+
+
+def test_a_challenger_is_promoted_when_its_f1_is_not_worse_than_the_champions() -> None:
+    assert _decide(holdout(0.85, 0.002), CHAMPION, holdout(0.80, 0.001), force=False)[0]
+    assert _decide(holdout(0.80, 0.001), CHAMPION, holdout(0.80, 0.001), force=False)[0]
+    promoted, decision = _decide(holdout(0.70, 0.0), CHAMPION, holdout(0.80, 0.001), force=False)
+    assert not promoted
+    assert decision == "holdout f1 0.700, false alarms 0.000% < champion v3's 0.800, 0.100%"
+
+
+def test_on_a_holdout_without_episodes_the_false_alarms_decide() -> None:
+    """No episode in the holdout: every model's F1 is 0, and a model that flags more normal readings is worse."""
+    assert not _decide(holdout(0.0, 0.02), CHAMPION, holdout(0.0, 0.01), force=False)[0]
+    assert _decide(holdout(0.0, 0.01), CHAMPION, holdout(0.0, 0.02), force=False)[0]
+    assert _decide(holdout(0.0, 0.01), CHAMPION, holdout(0.0, 0.01), force=False)[0]
+
+
+def test_without_labels_only_a_first_model_or_a_forced_one_is_promoted() -> None:
+    unlabelled = {"holdout_readings": 100.0, "holdout_flagged": 1.0}
+    assert _decide(unlabelled, None, None, force=False) == (True, "first model: no champion yet")
+    assert not _decide(unlabelled, CHAMPION, None, force=False)[0]
+    assert _decide(unlabelled, CHAMPION, None, force=True)[0]
