@@ -17,6 +17,13 @@ LOOPBACK_IP = "127.0.0.1"
 # ``(?i)secret|password|token|access[.]?key``, applies on top).
 SPARK_OPTIONS_REDACTION = r"(?i)url|sasl\.jaas\.config|sasl\.password|ssl\.key\.password|ssl\.keystore\.password"
 
+WARNINGS_OF_INTENDED_BEHAVIOUR = (
+    # transformWithState warns for every key seen the first time ("Value state ... doesn't contain a value").
+    "org.apache.spark.sql.execution.python.streaming.TransformWithStateInPySparkStateServer",
+    # The fair scheduler warns once per pool that it made it with the default weight: each query's is.
+    "org.apache.spark.scheduler.FairSchedulableBuilder",
+)
+
 
 def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
     """Get or create the process's Spark session.
@@ -76,10 +83,7 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
     if handler is not None:
         signal.signal(signal.SIGINT, handler)
     session.sparkContext.setLogLevel("WARN")
-    # transformWithState warns for every key seen the first time ("Value state ... doesn't contain a value").
     log4j = session.sparkContext._jvm.org.apache.logging.log4j
-    log4j.core.config.Configurator.setLevel(
-        "org.apache.spark.sql.execution.python.streaming.TransformWithStateInPySparkStateServer",
-        log4j.Level.ERROR,
-    )
+    for logger in WARNINGS_OF_INTENDED_BEHAVIOUR:
+        log4j.core.config.Configurator.setLevel(logger, log4j.Level.ERROR)
     return session
