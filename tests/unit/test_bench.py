@@ -10,6 +10,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from bench import report as shaping
+from bench.detectability import THRESHOLDS, anomalous_readings, ceilings, report
+from bench.detectability import main as detectability_main
 from bench.features import main as features_main
 from bench.features import synthetic_silver
 from bench.latency import Latency
@@ -227,3 +229,22 @@ def test_the_features_benchmark_builds_its_archive_and_prints_both_cases(
     assert features_main(["--devices", "3", "--readings", "40", "--history", "5", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["whole", "a"] and all("median" in line for line in lines)
+
+
+def test_the_detection_ceiling_falls_with_the_threshold_and_leaves_part_of_drifts_and_bursts_undetectable() -> None:
+    kind, off, share = anomalous_readings(devices=300, ticks=2_000, fraction=0.01, seed=3)
+    assert 0.005 < share < 0.02  # the schedule keeps about the asked-for share of readings in episodes
+    rows = ceilings(kind, off, share, THRESHOLDS)
+    recalls = [row.overall_recall for row in rows]
+    alarms = [row.false_alarm_rate for row in rows]
+    assert recalls == sorted(recalls, reverse=True) and alarms == sorted(alarms, reverse=True)
+    for row in rows:
+        assert row.recall["spike"] == 1.0  # 4 to 8 anomaly scales, at least 24 noise units: never missed
+        # A ramp starts inside the noise and a burst sometimes lands on the normal value.
+        assert row.recall["drift"] < 1.0 and row.recall["noise_burst"] < 1.0
+        assert 0.0 < row.f1 < 1.0
+    # Stuck: the first SUSPECT_REPEATS readings of a run do not repeat often enough yet, whatever the threshold.
+    assert len({row.recall["stuck"] for row in rows}) == 1 and rows[0].recall["stuck"] < 1.0
+    printed = report(rows, share)
+    assert "best per-reading F1 of the oracle" in printed and "noise_burst" in printed
+    assert detectability_main(["--devices", "50", "--ticks", "300"]) == 0
