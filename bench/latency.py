@@ -36,6 +36,7 @@ from iotmon.schema import (
     LATENESS,
     LIVE_WINDOWS,
     ON_TIME,
+    PARSE_ERROR,
     SEQ,
     SILVER,
 )
@@ -101,7 +102,7 @@ def measure(spark: SparkSession, settings: Settings, since: datetime, until: dat
 
     silver = load(SILVER).where(in_range(EVENT_TIME) & (F.col(LATENESS) == ON_TIME))
     on_time = silver.select(DEVICE_ID, SEQ)
-    bronze = load(BRONZE).where(in_range("kafka_timestamp") & F.col("parse_error").isNull())
+    bronze = load(BRONZE).where(in_range("kafka_timestamp") & F.col(PARSE_ERROR).isNull())
     anomalies = load(ANOMALIES).where(in_range(EVENT_TIME)).join(on_time, [DEVICE_ID, SEQ], "left_semi")
     measured = ((BRONZE, bronze, "kafka_timestamp"), (SILVER, silver, EVENT_TIME), (ANOMALIES, anomalies, EVENT_TIME))
     return [

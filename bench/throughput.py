@@ -39,6 +39,7 @@ from iotmon.schema import (
     DEVICE_STATUS,
     DEVICE_WINDOWS,
     LIVE_WINDOWS,
+    PARSE_ERROR,
     QUARANTINE,
     SILVER,
 )
@@ -48,9 +49,12 @@ from streaming.jobs import ANALYTICS_QUERIES, ensure_analytics_tables
 
 Log = Callable[[str], None]
 KAFKA = "kafka"
+BRONZE_WITH_ERRORS = "bronze files with a parse error"
+"""What quarantine reads of bronze: Spark skips the files whose statistics show no parse error, unread and
+uncounted, so quarantine's input is the rows of the other files, not all of bronze."""
 SOURCE_OF: dict[str, str] = {
     BRONZE: KAFKA,
-    QUARANTINE: BRONZE,
+    QUARANTINE: BRONZE_WITH_ERRORS,
     SILVER: BRONZE,
     DEVICE_WINDOWS: SILVER,
     LIVE_WINDOWS: SILVER,
@@ -179,15 +183,35 @@ def table_rows(settings: Settings, table: str) -> int:
     return row_count(DeltaTable(settings.table_path(table)))
 
 
+def rows_in_files_with(table: Any, column: str) -> int:
+    """Rows of the files of a delta-rs ``table`` whose statistics show a non-null ``column``: what a stream
+    filtering on ``column IS NOT NULL`` reads; every row when some file has no statistics for it."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from iotmon.status import row_count
+
+    actions = pa.table(table.get_add_actions(flatten=True))
+    nulls, records = f"null_count.{column}", "num_records"
+    if nulls not in actions.column_names or actions.column(nulls).null_count or actions.column(records).null_count:
+        return row_count(table)
+    with_value = pc.less(actions.column(nulls), actions.column(records))
+    return int(pc.sum(pc.filter(actions.column(records), with_value)).as_py() or 0)
+
+
 def behind(read: Mapping[str, int], held: Mapping[str, int]) -> list[str]:
     """Queries that have read fewer rows than their source holds (``SOURCE_OF``); pure."""
     return [name for name, source in SOURCE_OF.items() if read.get(name, 0) < held.get(source, 0)]
 
 
 def source_rows(settings: Settings) -> dict[str, int]:
+    from deltalake import DeltaTable
+
+    tables = {s for s in SOURCE_OF.values() if s not in (KAFKA, BRONZE_WITH_ERRORS)}
     return {
         KAFKA: topic_records(settings),
-        **{table: table_rows(settings, table) for table in {s for s in SOURCE_OF.values() if s != KAFKA}},
+        BRONZE_WITH_ERRORS: rows_in_files_with(DeltaTable(settings.table_path(BRONZE)), PARSE_ERROR),
+        **{table: table_rows(settings, table) for table in tables},
     }
 
 

@@ -17,6 +17,7 @@ from iotmon.schema import (
     DEVICE_ID,
     EVENT_TIME,
     METRIC_NAMES,
+    PARSE_ERROR,
     RAW_PAYLOAD_SCHEMA,
     READING_COLUMNS,
     SEQ,
@@ -140,8 +141,8 @@ def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
         {typed_names[name]: column for name, column in _typed_fields(F.col("_raw")).items()}
     )
     typed = {name: F.col(column) for name, column in typed_names.items()}
-    with_error = with_typed.withColumn("parse_error", _errors(value, F.col("_raw"), typed, F.col("timestamp"), rules))
-    clean = F.col("parse_error").isNull()
+    with_error = with_typed.withColumn(PARSE_ERROR, _errors(value, F.col("_raw"), typed, F.col("timestamp"), rules))
+    clean = F.col(PARSE_ERROR).isNull()
     return with_error.select(
         F.col("topic"),
         F.col("partition"),
@@ -151,13 +152,13 @@ def parse_records(kafka_records: DataFrame, rules: PayloadRules) -> DataFrame:
         value.alias("value"),
         F.current_timestamp().alias("ingest_time"),
         *[F.when(clean, column).cast(READING_COLUMNS[name].dataType).alias(name) for name, column in typed.items()],
-        F.col("parse_error"),
+        F.col(PARSE_ERROR),
     )
 
 
 def quarantine_rows(bronze: DataFrame) -> DataFrame:
     """Bronze rows that failed parsing, as rows of ``QUARANTINE_SCHEMA`` (later stages add their own)."""
-    return bronze.where(F.col("parse_error").isNotNull()).select(
+    return bronze.where(F.col(PARSE_ERROR).isNotNull()).select(
         F.lit(BRONZE_STAGE).alias("stage"),
         "topic",
         "partition",
@@ -165,6 +166,6 @@ def quarantine_rows(bronze: DataFrame) -> DataFrame:
         "kafka_timestamp",
         "key",
         "value",
-        F.col("parse_error").alias("reason"),
+        F.col(PARSE_ERROR).alias("reason"),
         "ingest_time",
     )

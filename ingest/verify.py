@@ -20,7 +20,7 @@ from pyspark.sql import functions as F
 from ingest.bronze import BRONZE_STAGE
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
-from iotmon.schema import BRONZE, DEVICE_ID, QUARANTINE, SEQ
+from iotmon.schema import BRONZE, DEVICE_ID, PARSE_ERROR, QUARANTINE, SEQ
 from simulators.truth import OFFSET_UNKNOWN
 
 
@@ -256,7 +256,7 @@ def reconcile(spark: SparkSession, settings: Settings, truth_files: Sequence[Pat
             "topic",
             "partition",
             "offset",
-            "parse_error",
+            PARSE_ERROR,
             DEVICE_ID,
             SEQ,
             "key",
@@ -274,7 +274,7 @@ def reconcile(spark: SparkSession, settings: Settings, truth_files: Sequence[Pat
     result = Reconciliation(
         topic=settings.topic,
         partitions=_partition_checks(spark, bronze, offsets),
-        bronze_malformed=bronze.where(F.col("parse_error").isNotNull()).count(),
+        bronze_malformed=bronze.where(F.col(PARSE_ERROR).isNotNull()).count(),
         quarantine_rows=quarantine_rows,
         quarantine_not_in_bronze=quarantine.join(bronze, keys, "left_anti").count(),
         quarantine_duplicates=quarantine_rows - quarantine.select(*keys).distinct().count(),

@@ -124,6 +124,8 @@ READING_COLUMNS = StructType(
     ]
 )
 
+PARSE_ERROR = "parse_error"
+"""Bronze's column saying why a record could not be parsed (null for a parsed reading)."""
 BRONZE_SCHEMA = StructType(
     [
         StructField("topic", StringType()),
@@ -134,7 +136,7 @@ BRONZE_SCHEMA = StructType(
         StructField("value", BinaryType()),
         StructField("ingest_time", TimestampType()),
         *READING_COLUMNS.fields,
-        StructField("parse_error", StringType()),
+        StructField(PARSE_ERROR, StringType()),
     ]
 )
 

@@ -31,6 +31,7 @@ from iotmon.schema import (
     LATENESS,
     METRICS,
     ON_TIME,
+    PARSE_ERROR,
     QUARANTINE_SCHEMA,
     REGISTRY_COLUMNS,
     SEQ,
@@ -76,7 +77,7 @@ def classify_readings(bronze: DataFrame, devices: DataFrame, rules: LatenessRule
     Bronze's own malformed rows are not here: the archive already quarantined them.
     """
     registry = F.broadcast(devices.select(DEVICE_ID, *REGISTRY_COLUMNS))
-    parsed = bronze.where(F.col("parse_error").isNull())
+    parsed = bronze.where(F.col(PARSE_ERROR).isNull())
     delay_s = (F.unix_micros("kafka_timestamp") - F.unix_micros(EVENT_TIME)) / 1_000_000.0
     return (
         parsed.join(registry, DEVICE_ID, "left")
