@@ -67,7 +67,7 @@ def start_query(
     try:
         return spec.start(spark, settings, trigger)
     finally:
-        context.setLocalProperty(SCHEDULER_POOL, None)  # type: ignore[arg-type]  # None removes it
+        context.setLocalProperty(SCHEDULER_POOL, None)  # None removes it
 
 
 class QueryFailed(RuntimeError):
