@@ -183,22 +183,6 @@ def table_rows(settings: Settings, table: str) -> int:
     return row_count(DeltaTable(settings.table_path(table)))
 
 
-def rows_in_files_with(table: Any, column: str) -> int:
-    """Rows of the files of a delta-rs ``table`` whose statistics show a non-null ``column``: what a stream
-    filtering on ``column IS NOT NULL`` reads; every row when some file has no statistics for it."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from iotmon.status import row_count
-
-    actions = pa.table(table.get_add_actions(flatten=True))
-    nulls, records = f"null_count.{column}", "num_records"
-    if nulls not in actions.column_names or actions.column(nulls).null_count or actions.column(records).null_count:
-        return row_count(table)
-    with_value = pc.less(actions.column(nulls), actions.column(records))
-    return int(pc.sum(pc.filter(actions.column(records), with_value)).as_py() or 0)
-
-
 def behind(read: Mapping[str, int], held: Mapping[str, int]) -> list[str]:
     """Queries that have read fewer rows than their source holds (``SOURCE_OF``); pure."""
     return [name for name, source in SOURCE_OF.items() if read.get(name, 0) < held.get(source, 0)]
@@ -206,6 +190,8 @@ def behind(read: Mapping[str, int], held: Mapping[str, int]) -> list[str]:
 
 def source_rows(settings: Settings) -> dict[str, int]:
     from deltalake import DeltaTable
+
+    from iotmon.status import rows_in_files_with
 
     tables = {s for s in SOURCE_OF.values() if s not in (KAFKA, BRONZE_WITH_ERRORS)}
     return {

@@ -18,10 +18,11 @@ from bench.latency import Latency
 from bench.run import BenchOptions
 from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
 from bench.system import machine_info, parse_meminfo, parse_status_rss
-from bench.throughput import BRONZE_WITH_ERRORS, KAFKA, behind, rows_in_files_with
+from bench.throughput import BRONZE_WITH_ERRORS, KAFKA, behind
 from bench.training import copies_and_share
 from iotmon.cli import build_parser
 from iotmon.schema import SILVER_SCHEMA
+from iotmon.status import rows_in_files_with
 
 MEMINFO = (
     "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\nHugePages_Total:       0\n"
