@@ -31,14 +31,13 @@ from typing import Any, TextIO
 
 from iotmon import broker
 from iotmon.config import Settings
-from iotmon.schema import ALERTS, ANOMALIES, BRONZE, DEVICE_STATUS, DEVICE_WINDOWS, LIVE_WINDOWS, QUARANTINE, SILVER
+from iotmon.schema import ALERTS, ANOMALIES, BRONZE, QUARANTINE
 
 STREAM_KILL = "stream_kill"
 BROKER_RESTART = "broker_restart"
 TRAINER_KILL = "trainer_kill"
 WHOLE_GROUP = "whole group"
 DRIVER_ONLY = "driver only"
-QUERIES = (BRONZE, QUARANTINE, SILVER, DEVICE_WINDOWS, LIVE_WINDOWS, DEVICE_STATUS, ANOMALIES, ALERTS)
 MODEL_QUERIES = (ANOMALIES, ALERTS)
 """Queries that only have batches once a champion exists: chosen as kill moments only then."""
 IN_FLIGHT_PATIENCE_S = 300.0
@@ -83,8 +82,9 @@ class ChaosOptions:
             raise ValueError("--broker-restarts must be between 0 and --kills (one restart per stream run at most)")
         if self.trainer_kills < 0 or self.devices < 1 or self.rate <= 0:
             raise ValueError("--trainer-kills must be >= 0, --devices >= 1 and --rate > 0")
-        if unknown := [query for query in self.kill_in if query not in QUERIES]:
-            raise ValueError(f"--kill-in: no query named {', '.join(unknown)} (the queries: {', '.join(QUERIES)})")
+        if unknown := [query for query in self.kill_in if query not in pipeline_queries()]:
+            names = ", ".join(pipeline_queries())
+            raise ValueError(f"--kill-in: no query named {', '.join(unknown)} (the queries: {names})")
         if len(self.kill_in) > self.kills:
             raise ValueError("--kill-in names more queries than --kills allows (one kill per query)")
 
@@ -209,6 +209,13 @@ class Group:
             return True
         self.make_gone()
         return False
+
+
+def pipeline_queries() -> tuple[str, ...]:
+    """The names of the stream's queries, the moments chaos can kill it in (imported late: it loads Spark)."""
+    from pipeline.topology import TOPOLOGY
+
+    return tuple(node.name for node in TOPOLOGY)
 
 
 def batch_ids(checkpoint: str, log: str) -> set[int]:
@@ -397,8 +404,9 @@ class ChaosRun:
             query, in_flight = options.kill_in[kill - 1], True
         else:
             champion = registry.champion(settings) is not None
-            query = self.rng.choice(QUERIES if champion else tuple(q for q in QUERIES if q not in MODEL_QUERIES))
-        planned = {q: max(batch_ids(settings.checkpoint_path(q), "offsets"), default=-1) for q in QUERIES}
+            names = pipeline_queries()
+            query = self.rng.choice(names if champion else tuple(q for q in names if q not in MODEL_QUERIES))
+        planned = {q: max(batch_ids(settings.checkpoint_path(q), "offsets"), default=-1) for q in pipeline_queries()}
         stream = self.spawn("stream", "stream")
         launched = time.monotonic()
         if restart_broker:

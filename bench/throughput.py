@@ -28,42 +28,17 @@ from pyspark.sql import SparkSession
 
 from bench.progress import ProgressCollector
 from bench.stats import rate
-from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables, kafka_records
+from ingest.landing import kafka_records
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
-from iotmon.queries import AVAILABLE_NOW, QuerySpec, run_continuously, run_until_idle
-from iotmon.schema import (
-    ALERTS,
-    ANOMALIES,
-    BRONZE,
-    DEVICE_STATUS,
-    DEVICE_WINDOWS,
-    LIVE_WINDOWS,
-    PARSE_ERROR,
-    QUARANTINE,
-    SILVER,
-)
+from iotmon.queries import AVAILABLE_NOW, run_continuously, run_until_idle
+from pipeline.topology import KAFKA, TOPOLOGY, ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
-from streaming.jobs import ANALYTICS_QUERIES, ensure_analytics_tables
 
 Log = Callable[[str], None]
-KAFKA = "kafka"
-BRONZE_WITH_ERRORS = "bronze files with a parse error"
-"""What quarantine reads of bronze: Spark skips the files whose statistics show no parse error, unread and
-uncounted, so quarantine's input is the rows of the other files, not all of bronze."""
-SOURCE_OF: dict[str, str] = {
-    BRONZE: KAFKA,
-    QUARANTINE: BRONZE_WITH_ERRORS,
-    SILVER: BRONZE,
-    DEVICE_WINDOWS: SILVER,
-    LIVE_WINDOWS: SILVER,
-    DEVICE_STATUS: SILVER,
-    ANOMALIES: SILVER,
-    ALERTS: ANOMALIES,
-}
-"""What each query reads: it has caught up when it has read as many rows as its source holds."""
-PIPELINE_QUERIES: tuple[QuerySpec, ...] = (*ARCHIVE_QUERIES, *ANALYTICS_QUERIES)
+SOURCE_OF: dict[str, str] = {node.name: node.source for node in TOPOLOGY}
+"""What each query streams from: it has caught up when it has read as many rows as its source holds."""
 CONSUMER_BATCH = 10_000
 
 
@@ -147,10 +122,9 @@ def spark_noop_ceiling(spark: SparkSession, settings: Settings, checkpoint: str)
 
 def drain(spark: SparkSession, settings: Settings, records: int, log: Log) -> dict[str, Any]:
     """Every query in turn with the available-now trigger; the path's time is the sum of theirs."""
-    ensure_archive_tables(spark, settings)
-    ensure_analytics_tables(spark, settings)
+    ensure_tables(spark, settings)
     queries = []
-    for spec in PIPELINE_QUERIES:
+    for spec in queries():
         started = time.monotonic()
         rows = run_until_idle(spark, settings, [spec], out=sys.stderr)
         seconds = time.monotonic() - started
@@ -189,16 +163,9 @@ def behind(read: Mapping[str, int], held: Mapping[str, int]) -> list[str]:
 
 
 def source_rows(settings: Settings) -> dict[str, int]:
-    from deltalake import DeltaTable
 
-    from iotmon.status import rows_in_files_with
-
-    tables = {s for s in SOURCE_OF.values() if s not in (KAFKA, BRONZE_WITH_ERRORS)}
-    return {
-        KAFKA: topic_records(settings),
-        BRONZE_WITH_ERRORS: rows_in_files_with(DeltaTable(settings.table_path(BRONZE)), PARSE_ERROR),
-        **{table: table_rows(settings, table) for table in tables},
-    }
+    tables = {s for s in SOURCE_OF.values() if s != KAFKA}
+    return {KAFKA: topic_records(settings), **{table: table_rows(settings, table) for table in tables}}
 
 
 def drain_concurrently(
@@ -213,15 +180,14 @@ def drain_concurrently(
 
     With ``until`` (a publisher still running), catching up only counts once it is set.
     """
-    ensure_archive_tables(spark, settings)
-    ensure_analytics_tables(spark, settings)
+    ensure_tables(spark, settings)
     mark = collector.mark()
     stop = threading.Event()
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
-            run_continuously(spark, settings, PIPELINE_QUERIES, stop, out=sys.stderr, report_every=30.0)
+            run_continuously(spark, settings, queries(), stop, out=sys.stderr, report_every=30.0)
         except BaseException as exc:  # reported by the caller, after the queries stopped
             failure.append(exc)
             stop.set()

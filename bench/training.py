@@ -18,15 +18,14 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from bench.throughput import Log
-from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
 from iotmon.config import Settings
 from iotmon.queries import run_until_idle
-from iotmon.schema import BRONZE, DEVICE_ID, SILVER
+from iotmon.schema import DEVICE_ID, SILVER
 from ml.features import FeatureSpec
 from ml.train import MIN_SPAN_HISTORIES, TrainOptions, train
+from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
-from streaming.jobs import ANALYTICS_QUERIES, ensure_analytics_tables
 
 MODEL_DEVICES = 100
 MODEL_SPAN_HISTORIES = MIN_SPAN_HISTORIES + 1
@@ -45,11 +44,9 @@ def champion_model(spark: SparkSession, settings: Settings, seed: int, log: Log)
     own MLflow store, so the scorer runs in every pipeline phase."""
     options = model_archive_options(settings, seed, settings.home / "truth" / f"model-{settings.topic}.parquet")
     summary = run_simulation(settings, options)
-    ensure_archive_tables(spark, settings)
-    ensure_analytics_tables(spark, settings)
+    ensure_tables(spark, settings)
     # Bronze and silver only: quarantine and gold are not what the trainer reads.
-    needed = [spec for spec in (*ARCHIVE_QUERIES, *ANALYTICS_QUERIES) if spec.name in (BRONZE, SILVER)]
-    run_until_idle(spark, settings, needed)
+    run_until_idle(spark, settings, queries([SILVER]))
     started = time.monotonic()
     report = train(spark, settings, TrainOptions(promote=True))
     seconds = time.monotonic() - started

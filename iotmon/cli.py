@@ -147,37 +147,9 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def run_stream(settings: Settings, stop: threading.Event | None) -> None:
-    """Continuously until ``stop`` is set, or (``stop`` is None) until what Kafka holds now is archived."""
-    from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
-    from iotmon.kafka import ensure_topic
-    from iotmon.ops import install_progress_recorder
-    from iotmon.preflight import require_writable
-    from iotmon.queries import run_continuously, run_until_idle
-    from iotmon.spark import spark_session
-    from streaming.jobs import ANALYTICS_QUERIES, EventClock, ensure_analytics_tables
-
-    require_writable(settings, "lake", "checkpoints", "home")
-    ensure_topic(settings)
-    spark = spark_session(settings, "iotmon-stream")
-    ensure_archive_tables(spark, settings)
-    ensure_analytics_tables(spark, settings)
-    queries = (*ARCHIVE_QUERIES, *ANALYTICS_QUERIES)
-    with install_progress_recorder(spark, settings):
-        if stop is None:
-            run_until_idle(spark, settings, queries)
-            return
-        EventClock(spark, settings, stop).start()
-        print(
-            f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval}; "
-            "Ctrl-C or SIGTERM stops cleanly",
-            file=sys.stderr,
-            flush=True,
-        )
-        run_continuously(spark, settings, queries, stop)
-
-
 def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
+    from pipeline.stream import run_stream
+
     run_stream(settings, None if args.until_idle else stop_on_signals())
     return 0
 
@@ -235,8 +207,8 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
     from iotmon.preflight import require_writable
     from iotmon.spark import spark_session
     from iotmon.status import stream_process
-    from streaming.backfill import backfill
-    from streaming.jobs import ensure_analytics_tables
+    from pipeline.backfill import backfill
+    from pipeline.topology import ensure_tables
 
     running, _ = stream_process(settings)
     if running.running:
@@ -245,7 +217,7 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
         )
     require_writable(settings, "lake", "checkpoints")
     spark = spark_session(settings, "iotmon-backfill")
-    ensure_analytics_tables(spark, settings)
+    ensure_tables(spark, settings)
     print(backfill(spark, settings).report())
     return 0
 
@@ -522,6 +494,7 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     """Broker, a real-time fleet, the stream, a periodic trainer, the dashboard and the MLflow UI, as separate
     processes the way they would run in production; on exit, drain, reconcile, and stop what it started."""
     from iotmon import broker
+    from pipeline.stream import run_stream
 
     stop = stop_on_signals()
     broker_was_running = broker.status(settings).running

@@ -1,16 +1,24 @@
-"""The lake's edges shared by every stage: creating tables, idempotent batch writes, the SQL catalogue.
+"""The lake's edges shared by every stage: creating tables, exactly-once batch writes, the SQL catalogue.
 
-Exactly-once sinks in ``foreachBatch`` rest on Delta transaction identifiers: a write tagged with
-``(app_id, batch_id)`` is committed at most once per table, so a micro-batch replayed after a crash is
-skipped where it already landed. The app id is taken from the query's checkpoint, so a new checkpoint
-(after ``iotmon reset`` or ``iotmon backfill``) starts a new sequence instead of being skipped forever.
+Exactly-once sinks in ``foreachBatch`` rest on a tag in each commit. A write of micro-batch ``n`` by a query
+carries ``{"app": <query id>, "batch": n}`` as the commit's ``userMetadata``; a batch replayed after a crash
+looks its table's newest commits up for its own tag and skips a table that already holds it. Delta's own
+transaction identifiers (``txnAppId``/``txnVersion``) give the same guarantee, but with delta-spark 4.4 each
+such write rebuilds the table's snapshot state to find them: three extra Spark jobs per table and batch
+(docs/cost-model.md). The tag costs nothing while a query runs: its ledger (``BatchLedger``) remembers what
+it committed, and reads the log only when the query (re)starts, when a replay can happen.
+
+The app id is the query's persistent id, taken from its checkpoint, so a new checkpoint (after ``iotmon
+reset`` or ``iotmon backfill``) starts a new sequence instead of being skipped forever.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -19,8 +27,14 @@ from pyspark.sql.types import StructType
 from iotmon.config import Settings
 from iotmon.schema import LAKE_TABLES
 
-_TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
-_TXN_VERSION = "spark.databricks.delta.write.txnVersion"
+_COMMIT_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+CHECKPOINT_INTERVAL = 100
+"""Commits between two Delta checkpoints of a table the streams write (Delta's default is 10). A checkpoint
+rewrites the table's whole state; every tenth micro-batch paying for it cost 0.2-0.4 s per append on
+average here, for readers that replay at most this many small JSON commits instead."""
+CLOCK_MARGIN_S = 600.0
+"""How far before a writer's creation a ledger still looks for the writer's commits: commit timestamps come
+from the writing machine's clock and file times from the storage's, which may disagree by this much."""
 
 
 def create_table(
@@ -29,66 +43,174 @@ def create_table(
     """Create a Delta table if it is missing. Unpartitioned on purpose: at this size Delta's file
     statistics prune as well as partitions would, without a small-file problem per partition."""
     builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).comment(comment)
+    builder = builder.property("delta.checkpointInterval", str(CHECKPOINT_INTERVAL))
     if append_only:
         builder = builder.property("delta.appendOnly", "true")
     builder.execute()
 
 
 def checkpoint_app_id(spark: SparkSession, checkpoint: str) -> str:
-    """The transaction app id of the query using ``checkpoint``: its persistent query id.
+    """The app id of the query using ``checkpoint``: its persistent query id.
 
     Spark writes ``<checkpoint>/metadata`` (``{"id": ...}``) when a query first starts; the id survives
     restarts and changes only with a new checkpoint, exactly the lifetime of its batch ids.
     """
-    text = "".join(row.value for row in spark.read.text(f"{checkpoint.rstrip('/')}/metadata").collect())
+    text = read_text(spark, f"{checkpoint.rstrip('/')}/metadata")
+    if text is None:
+        raise FileNotFoundError(f"{checkpoint}/metadata: the query has not started yet")
     return f"iotmon-{json.loads(text)['id']}"
 
 
-class TransactionId:
-    """A query's Delta transaction app id, read from its checkpoint once, at the query's first batch
-    (the checkpoint's metadata exists only once the query has started)."""
-
-    def __init__(self, checkpoint: str) -> None:
-        self.checkpoint = checkpoint
-        self.value: str | None = None
-
-    def __call__(self, batch: DataFrame) -> str:
-        if self.value is None:
-            self.value = checkpoint_app_id(batch.sparkSession, self.checkpoint)
-        return self.value
+def commit_tag(app_id: str, batch_id: int) -> str:
+    """The ``userMetadata`` of a commit that writes batch ``batch_id`` of ``app_id``."""
+    return json.dumps({"app": app_id, "batch": batch_id}, separators=(",", ":"))
 
 
-def append_once(frame: DataFrame, path: str, app_id: str, batch_id: int) -> None:
-    """Append ``frame`` unless batch ``batch_id`` of ``app_id`` is already in the table."""
-    writer = frame.write.format("delta").mode("append")
-    writer.option("txnAppId", app_id).option("txnVersion", batch_id).save(path)
-
-
-def merge_once(source: DataFrame, path: str, condition: Column, app_id: str, batch_id: int, *, update: bool) -> None:
-    """MERGE ``source`` (alias ``s``) into the table at ``path`` (alias ``t``) unless batch ``batch_id`` of
-    ``app_id`` already did: insert the unmatched rows and, with ``update``, overwrite the matched ones."""
-    session = source.sparkSession
-    merge = DeltaTable.forPath(session, path).alias("t").merge(source.alias("s"), condition)
-    if update:
-        merge = merge.whenMatchedUpdateAll()
-    with _transaction_id(session, app_id, batch_id):
-        merge.whenNotMatchedInsertAll().execute()
-
-
-@contextmanager
-def _transaction_id(spark: SparkSession, app_id: str, batch_id: int) -> Iterator[None]:
-    """Tag the next Delta command of ``spark`` (MERGE takes no write options) with ``(app_id, batch_id)``.
-
-    ``spark`` is the micro-batch's own session (``batch.sparkSession``): each streaming query runs in a
-    clone of the session, so concurrent queries never see each other's tags.
-    """
-    spark.conf.set(_TXN_APP_ID, app_id)
-    spark.conf.set(_TXN_VERSION, str(batch_id))
+def tagged_batch(user_metadata: str | None, app_id: str) -> int | None:
+    """The batch id a commit's ``userMetadata`` says it wrote for ``app_id``; None for anyone else's commit."""
+    if not user_metadata:
+        return None
     try:
-        yield
-    finally:
-        spark.conf.unset(_TXN_APP_ID)
-        spark.conf.unset(_TXN_VERSION)
+        tag = json.loads(user_metadata)
+    except ValueError:
+        return None
+    if isinstance(tag, dict) and tag.get("app") == app_id and isinstance(tag.get("batch"), int):
+        return tag["batch"]
+    return None
+
+
+def last_tagged_batch(spark: SparkSession, path: str, app_id: str, not_before_ms: int) -> int:
+    """The highest batch of ``app_id`` that the table at ``path`` holds, from its newest commits; -1 if none.
+
+    Commits are read newest first until one carries the app's tag (a writer's batches are committed in
+    order, so its newest tagged commit holds its last batch) or until commits older than ``not_before_ms``,
+    before which the writer did not exist. Only JSON commit files are read: no snapshot state is built.
+    """
+    commits = sorted(
+        (int(name.removesuffix(".json")), name)
+        for name in (p.rsplit("/", 1)[-1] for p in list_files(spark, f"{path.rstrip('/')}/_delta_log", ".json"))
+        if name.removesuffix(".json").isdigit()
+    )
+    for _, name in reversed(commits):
+        text = read_text(spark, f"{path.rstrip('/')}/_delta_log/{name}") or ""
+        info = _commit_info(text)
+        batch = tagged_batch(info.get("userMetadata"), app_id)
+        if batch is not None:
+            return batch
+        if info.get("timestamp", not_before_ms) < not_before_ms:
+            break
+    return -1
+
+
+@dataclass
+class BatchLedger:
+    """One writer's exactly-once bookkeeping: its app id and, per table, the last batch it committed there.
+
+    Created when a query starts, so what it knows is read from the tables once per run: a batch replayed
+    after a crash (the only kind of replay) is always the first batch of a run. A write that fails leaves
+    its table unknown again, to be read back before the next attempt.
+    """
+
+    checkpoint: str | None = None
+    app_id: str | None = None
+    """Given for a writer without a checkpoint (the progress recorder); else read from the checkpoint."""
+    not_before_ms: int = 0
+    committed: dict[str, int] = field(default_factory=dict)
+
+    def identify(self, spark: SparkSession) -> str:
+        if self.app_id is None:
+            assert self.checkpoint is not None, "a ledger needs an app id or a checkpoint"
+            self.app_id = checkpoint_app_id(spark, self.checkpoint)
+            created = _modification_ms(spark, f"{self.checkpoint.rstrip('/')}/metadata")
+            self.not_before_ms = created - round(CLOCK_MARGIN_S * 1000)
+        return self.app_id
+
+    def holds(self, spark: SparkSession, path: str, batch_id: int) -> bool:
+        """Whether the table at ``path`` already holds batch ``batch_id`` of this writer."""
+        app_id = self.identify(spark)
+        if path not in self.committed:
+            self.committed[path] = last_tagged_batch(spark, path, app_id, self.not_before_ms)
+        return batch_id <= self.committed[path]
+
+    def write(self, spark: SparkSession, path: str, batch_id: int, commit: Callable[[str], None]) -> bool:
+        """Run ``commit(tag)`` unless the table holds the batch; True if it wrote."""
+        if self.holds(spark, path, batch_id):
+            return False
+        try:
+            commit(commit_tag(self.identify(spark), batch_id))
+        except BaseException:
+            self.committed.pop(path, None)  # committed or not: read it back before trying again
+            raise
+        self.committed[path] = batch_id
+        return True
+
+
+def ledger_for(app_id: str) -> BatchLedger:
+    """A ledger for a writer with a fixed, fresh app id (none of its commits can predate now)."""
+    return BatchLedger(app_id=app_id, not_before_ms=round((time.time() - CLOCK_MARGIN_S) * 1000))
+
+
+def append_once(frame: DataFrame, path: str, ledger: BatchLedger, batch_id: int) -> bool:
+    """Append ``frame`` unless batch ``batch_id`` of the ledger's writer is already in the table."""
+
+    def commit(tag: str) -> None:
+        frame.write.format("delta").mode("append").option("userMetadata", tag).save(path)
+
+    return ledger.write(frame.sparkSession, path, batch_id, commit)
+
+
+def merge_once(
+    source: DataFrame, path: str, condition: Column, ledger: BatchLedger, batch_id: int, *, update: bool
+) -> bool:
+    """MERGE ``source`` (alias ``s``) into the table at ``path`` (alias ``t``) unless the ledger's writer
+    already did for ``batch_id``: insert the unmatched rows and, with ``update``, overwrite the matched ones.
+
+    MERGE takes no write options, so the tag goes through the session's commit metadata setting; ``source``
+    belongs to the micro-batch's own session (each streaming query runs in a clone of the session), so
+    concurrent queries never see each other's tags.
+    """
+    session = source.sparkSession
+
+    def commit(tag: str) -> None:
+        merge = DeltaTable.forPath(session, path).alias("t").merge(source.alias("s"), condition)
+        if update:
+            merge = merge.whenMatchedUpdateAll()
+        session.conf.set(_COMMIT_METADATA, tag)
+        try:
+            merge.whenNotMatchedInsertAll().execute()
+        finally:
+            session.conf.unset(_COMMIT_METADATA)
+
+    return ledger.write(session, path, batch_id, commit)
+
+
+def _commit_info(commit: str) -> dict:
+    """The ``commitInfo`` action of a Delta commit file's text (an empty dict if it has none)."""
+    for line in commit.splitlines():
+        action = json.loads(line) if line.strip() else {}
+        if "commitInfo" in action:
+            return action["commitInfo"]
+    return {}
+
+
+def _modification_ms(spark: SparkSession, path: str) -> int:
+    fs, hadoop_path = _file_system(spark, path)
+    return int(fs.getFileStatus(hadoop_path).getModificationTime())
+
+
+def table_property(spark: SparkSession, path: str, key: str) -> str | None:
+    """A property of the Delta table at ``path`` (``TBLPROPERTIES``), or None."""
+    return DeltaTable.forPath(spark, path).detail().first().properties.get(key)
+
+
+def planned_watermark(spark: SparkSession, checkpoint: str, batch_id: int) -> datetime | None:
+    """The event-time watermark batch ``batch_id`` of the query at ``checkpoint`` runs with (its offset log
+    entry's ``batchWatermarkMs``); None before the query has one. Its stateful operators took rows at or
+    before it for late, so it bounds what they may have dropped."""
+    text = read_text(spark, f"{checkpoint.rstrip('/')}/offsets/{batch_id}")
+    lines = (text or "").splitlines()
+    epoch_ms = json.loads(lines[1]).get("batchWatermarkMs", 0) if len(lines) > 1 else 0
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).replace(tzinfo=None) if epoch_ms else None
 
 
 def _file_system(spark: SparkSession, path: str):

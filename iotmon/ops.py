@@ -44,6 +44,7 @@ from pyspark.sql.streaming.listener import (
 )
 
 from iotmon.config import Settings
+from iotmon.lake import ledger_for
 from iotmon.queries import explain
 from iotmon.schema import QUERY_PROGRESS, QUERY_PROGRESS_SCHEMA
 
@@ -284,7 +285,7 @@ class ProgressRecorder(StreamingQueryListener):
         self._flush_every = flush_every
         self._out = out
         self._max_buffered = max_buffered
-        self._app_id = f"iotmon-progress-{uuid.uuid4()}"
+        self._ledger = ledger_for(f"iotmon-progress-{uuid.uuid4()}")
         self._lock = threading.Condition()
         self._flush_lock = threading.Lock()
         self._buffer: list[dict[str, Any]] = []
@@ -372,7 +373,7 @@ class ProgressRecorder(StreamingQueryListener):
                 try:
                     records = [tuple(row[f.name] for f in QUERY_PROGRESS_SCHEMA.fields) for row in rows]
                     frame = self._session.createDataFrame(records, QUERY_PROGRESS_SCHEMA).coalesce(1)
-                    append_once(frame, self._table, self._app_id, sequence)
+                    append_once(frame, self._table, self._ledger, sequence)
                 except Exception as exc:
                     self._report(f"could not append {len(rows)} rows to {self._table}, will retry: {explain(exc)}")
                     return False

@@ -156,9 +156,14 @@ def run_continuously(
     stop: threading.Event,
     out: TextIO = sys.stderr,
     report_every: float = 10.0,
+    trigger_of: Callable[[QuerySpec], Trigger] | None = None,
 ) -> None:
-    """Run the queries until ``stop`` is set, restarting a failed query with exponential backoff."""
-    trigger: Trigger = {"processingTime": settings.trigger_interval}
+    """Run the queries until ``stop`` is set, restarting a failed query with exponential backoff.
+
+    Each query runs with ``trigger_of(spec)``; by default every ``IOTMON_TRIGGER_INTERVAL``.
+    """
+    every: Trigger = {"processingTime": settings.trigger_interval}
+    trigger_of = trigger_of or (lambda spec: every)
     queries: dict[str, StreamingQuery] = {}
     waiting: dict[str, float] = {}
     """Queries that are not ready, and when to ask again."""
@@ -167,7 +172,7 @@ def run_continuously(
         reason = spec.waiting_for(spark, settings)
         if reason is None:
             waiting.pop(spec.name, None)
-            queries[spec.name] = start_query(spec, spark, settings, trigger, out)
+            queries[spec.name] = start_query(spec, spark, settings, trigger_of(spec), out)
             return
         if spec.name not in waiting:
             print(f"{spec.name}: {ended + '; ' if ended else ''}waiting: {reason}", file=out, flush=True)
@@ -203,7 +208,7 @@ def run_continuously(
                 print(f"{spec.name}: query ended ({reason}); restarting in {backoff:.0f}s", file=out, flush=True)
                 if stop.wait(backoff):
                     break
-                queries[spec.name] = start_query(spec, spark, settings, trigger, out)
+                queries[spec.name] = start_query(spec, spark, settings, trigger_of(spec), out)
             if time.monotonic() >= next_report:
                 for query in queries.values():
                     print(progress_line(query), file=out, flush=True)

@@ -65,8 +65,10 @@ MALFORMED_KINDS = (
 )
 ANOMALY_TYPES = ("spike", "stuck", "drift", "noise_burst")
 
-# Tables of the lake, addressed by ``Settings.table_path(name)``; streaming queries are named after the
-# (first) table they write, and so are their checkpoints.
+# Tables of the lake, addressed by ``Settings.table_path(name)``. Streaming queries are named after the
+# (first) table they write, and so are their checkpoints; silver has a second writer.
+LATE_ARRIVALS = "late_arrivals"
+"""The query landing in silver the readings Kafka delivered later than the watermark."""
 BRONZE = "bronze"
 QUARANTINE = "quarantine"
 DEVICES = "devices"

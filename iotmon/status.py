@@ -188,20 +188,6 @@ def row_count(table: Any) -> int:
     return _row_count(table)[0]
 
 
-def rows_in_files_with(table: Any, column: str) -> int:
-    """Rows of the files of a delta-rs ``table`` whose statistics show a non-null ``column``: what a stream
-    filtering on ``column IS NOT NULL`` reads; every row when some file has no statistics for it."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    actions = pa.table(table.get_add_actions(flatten=True))
-    nulls, records = f"null_count.{column}", "num_records"
-    if nulls not in actions.column_names or actions.column(nulls).null_count or actions.column(records).null_count:
-        return row_count(table)
-    with_value = pc.less(actions.column(nulls), actions.column(records))
-    return int(pc.sum(pc.filter(actions.column(records), with_value)).as_py() or 0)
-
-
 def since_newest(table: Any, column: str, span: timedelta) -> Any:
     """A pyarrow filter keeping the rows within ``span`` of the table's newest ``column`` value (None: no
     filter). Relative to the data, not the wall clock, so a replayed or simulated past still shows; delta-rs

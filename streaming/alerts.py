@@ -45,7 +45,7 @@ from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValu
 from pyspark.sql.types import DoubleType, IntegerType, LongType, StringType, StructField, StructType
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import TransactionId, create_table, merge_once
+from iotmon.lake import BatchLedger, create_table, merge_once
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     ALERTS,
@@ -396,7 +396,7 @@ def alerts_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
     """The ``foreachBatch`` function: MERGE each changed incident's latest state, skipping a batch id it holds."""
     checkpoint = settings.checkpoint_path(ALERTS)
     path = settings.table_path(ALERTS)
-    app_id = TransactionId(checkpoint)
+    ledger = BatchLedger(checkpoint)
 
     def write(batch: DataFrame, batch_id: int) -> None:
         batch.persist()
@@ -404,7 +404,7 @@ def alerts_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
             if batch.isEmpty():
                 return
             same_alert = F.col("t.alert_id") == F.col("s.alert_id")
-            merge_once(latest_alerts(batch), path, same_alert, app_id(batch), batch_id, update=True)
+            merge_once(latest_alerts(batch), path, same_alert, ledger, batch_id, update=True)
         finally:
             batch.unpersist()
 

@@ -1,9 +1,8 @@
-"""The analytics stage's edges: the silver and gold streaming queries, their tables and their sinks.
+"""The analytics stage's edges: the gold streaming queries over silver, their tables and their sinks.
 
 Every sink is exactly once across crashes. A micro-batch that is replayed after a crash recomputes the
-same rows (no wall-clock values, the registry join aside) and each write is tagged with the query's
-transaction id and the batch id, so Delta skips what already landed; silver's insert-only MERGE is
-idempotent on top of that.
+same rows (no wall-clock values) and each write is tagged with the query's id and the batch id
+(``iotmon.lake.BatchLedger``), so a table that already holds the batch is skipped.
 
 Event time only moves with data, so when the whole fleet falls silent the last windows would wait for
 the next reading. ``EventClock`` ticks instead: after ``IOTMON_IDLE_TICK_AFTER`` of wall time without
@@ -21,48 +20,30 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TextIO
 
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import TransactionId, append_once, create_table, merge_once
+from iotmon.lake import BatchLedger, append_once, create_table, merge_once, table_property
 from iotmon.queries import QuerySpec, Trigger, explain
 from iotmon.schema import (
-    BRONZE,
     DEVICE_SESSIONS,
     DEVICE_WINDOWS,
-    DEVICES,
-    DEVICES_SCHEMA,
-    EVENT_TIME,
     LIVE_WINDOWS,
-    QUARANTINE,
-    SILVER,
     SILVER_SCHEMA,
     SITE_WINDOWS,
     STREAM_CLOCK,
 )
-from streaming.alerts import ALERTS_QUERY, ensure_alerts_table
-from streaming.device_status import DEVICE_STATUS_QUERY, ensure_device_status_tables
-from streaming.scoring import SCORING_QUERY, ensure_anomalies_table
-from streaming.silver import (
-    READING_KEY,
-    LatenessRules,
-    classify_readings,
-    distinct_readings,
-    rejected_rows,
-    silver_rows,
-)
+from streaming.alerts import ensure_alerts_table
+from streaming.device_status import ensure_device_status_tables
+from streaming.scoring import ensure_anomalies_table
 from streaming.sources import ARRIVALS, CLOCK_SCHEMA, ensure_clock_table, watermarked_readings
 from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
 
 FINAL_THROUGH = "iotmon.finalThrough"
 """Table property of ``device_windows`` set by ``iotmon backfill``: final rows up to this time are already
 written, so a gold query re-deriving its state from the start skips them."""
-BRONZE_VERSION = "iotmon.bronzeVersion"
-"""Table property of ``silver`` set by ``iotmon backfill``: silver holds bronze up to this version, so a
-silver query starting from a new checkpoint begins right after it."""
 _TABLE = "_table"
 BatchWriter = Callable[[DataFrame, int], None]
 """A ``foreachBatch`` function: the micro-batch and its id."""
@@ -73,10 +54,8 @@ def empty_silver(spark: SparkSession) -> DataFrame:
 
 
 def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
-    """Create silver, gold and the clock up front; gold schemas come from the functions that fill them."""
+    """Create gold and the clock up front; gold schemas come from the functions that fill them."""
     spec = WindowSpec.from_settings(settings)
-    create_table(spark, settings.table_path(DEVICES), DEVICES_SCHEMA, "The device registry (static reference).")
-    create_table(spark, settings.table_path(SILVER), SILVER_SCHEMA, "Distinct valid readings, enriched.")
     comments = {
         DEVICE_WINDOWS: "Final per-device tumbling and sliding window statistics, each written once.",
         SITE_WINDOWS: "Final per-site and device-type tumbling window statistics, each written once.",
@@ -92,68 +71,16 @@ def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
     ensure_alerts_table(spark, settings)
 
 
-# --- silver ---------------------------------------------------------------------------------------------
-
-
-def write_silver_batch(settings: Settings, app_id: TransactionId) -> BatchWriter:
-    silver_path, quarantine_path = settings.table_path(SILVER), settings.table_path(QUARANTINE)
-
-    def write(batch: DataFrame, batch_id: int) -> None:
-        batch.persist()
-        try:
-            rejects = rejected_rows(batch)
-            if not rejects.isEmpty():
-                append_once(rejects, quarantine_path, app_id(batch), batch_id)
-            readings = distinct_readings(silver_rows(batch)).persist()
-            bounds = readings.agg(F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
-            if bounds is not None and bounds[0] is not None:
-                # The event-time bounds let Delta skip every silver file that cannot hold a duplicate.
-                same_reading = [F.col(f"t.{key}") == F.col(f"s.{key}") for key in READING_KEY]
-                condition = F.col(f"t.{EVENT_TIME}").between(F.lit(bounds[0]), F.lit(bounds[1]))
-                for clause in same_reading:
-                    condition = condition & clause
-                merge_once(readings, silver_path, condition, app_id(batch), batch_id, update=False)
-            readings.unpersist()
-        finally:
-            batch.unpersist()
-
-    return write
-
-
-def start_silver(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-    """Bronze stream joined with the static registry (a stream-static join), deduplicated into silver."""
-    checkpoint = settings.checkpoint_path(SILVER)
-    devices = spark.read.format("delta").load(settings.table_path(DEVICES))
-    bronze = spark.readStream.format("delta")
-    backfilled = _property(spark, settings.table_path(SILVER), BRONZE_VERSION)
-    if backfilled is not None:  # only honoured by a new checkpoint, which is when it applies
-        bronze = bronze.option("startingVersion", int(backfilled) + 1)
-    classified = classify_readings(
-        bronze.load(settings.table_path(BRONZE)), devices, LatenessRules.from_settings(settings)
-    )
-    return (
-        classified.writeStream.queryName(SILVER)
-        .foreachBatch(write_silver_batch(settings, TransactionId(checkpoint)))
-        .option("checkpointLocation", checkpoint)
-        .trigger(**trigger)
-        .start()
-    )
-
-
 # --- gold: final windows ----------------------------------------------------------------------------------
 
 
-def _property(spark: SparkSession, path: str, key: str) -> str | None:
-    return DeltaTable.forPath(spark, path).detail().first().properties.get(key)
-
-
 def final_through(spark: SparkSession, settings: Settings) -> datetime | None:
-    value = _property(spark, settings.table_path(DEVICE_WINDOWS), FINAL_THROUGH)
+    value = table_property(spark, settings.table_path(DEVICE_WINDOWS), FINAL_THROUGH)
     return datetime.fromisoformat(value) if value else None
 
 
 def write_final_batch(
-    settings: Settings, app_id: TransactionId, after: datetime | None, columns: dict[str, list[str]]
+    settings: Settings, ledger: BatchLedger, after: datetime | None, columns: dict[str, list[str]]
 ) -> BatchWriter:
     """Split the tagged union into its tables; ``columns`` are each table's own."""
 
@@ -165,7 +92,7 @@ def write_final_batch(
                 if after is not None:
                     rows = rows.where(F.col(END_COLUMN[table]) > F.lit(after))
                 if not rows.isEmpty():
-                    append_once(rows, settings.table_path(table), app_id(batch), batch_id)
+                    append_once(rows, settings.table_path(table), ledger, batch_id)
         finally:
             batch.unpersist()
 
@@ -186,7 +113,7 @@ def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigge
         union = union.unionByName(frame, allowMissingColumns=True)
     checkpoint = settings.checkpoint_path(DEVICE_WINDOWS)
     columns = {table: frame.columns for table, frame in tables.items()}
-    writer = write_final_batch(settings, TransactionId(checkpoint), final_through(spark, settings), columns)
+    writer = write_final_batch(settings, BatchLedger(checkpoint), final_through(spark, settings), columns)
     return (
         union.writeStream.queryName(DEVICE_WINDOWS)
         .outputMode("append")
@@ -200,7 +127,7 @@ def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigge
 # --- gold: live windows -----------------------------------------------------------------------------------
 
 
-def write_live_batch(settings: Settings, app_id: TransactionId) -> BatchWriter:
+def write_live_batch(settings: Settings, ledger: BatchLedger) -> BatchWriter:
     path = settings.table_path(LIVE_WINDOWS)
 
     def write(batch: DataFrame, batch_id: int) -> None:
@@ -214,7 +141,7 @@ def write_live_batch(settings: Settings, app_id: TransactionId) -> BatchWriter:
                 & (F.col("t.window_start") == F.col("s.window_start"))
                 & (F.col("t.device_id") == F.col("s.device_id"))
             )
-            merge_once(batch, path, condition, app_id(batch), batch_id, update=True)
+            merge_once(batch, path, condition, ledger, batch_id, update=True)
         finally:
             batch.unpersist()
 
@@ -228,21 +155,15 @@ def start_live_windows(spark: SparkSession, settings: Settings, trigger: Trigger
     return (
         windows.writeStream.queryName(LIVE_WINDOWS)
         .outputMode("update")
-        .foreachBatch(write_live_batch(settings, TransactionId(checkpoint)))
+        .foreachBatch(write_live_batch(settings, BatchLedger(checkpoint)))
         .option("checkpointLocation", checkpoint)
         .trigger(**trigger)
         .start()
     )
 
 
-ANALYTICS_QUERIES: tuple[QuerySpec, ...] = (
-    QuerySpec(SILVER, start_silver),
-    QuerySpec(DEVICE_WINDOWS, start_final_windows),
-    QuerySpec(LIVE_WINDOWS, start_live_windows),
-    DEVICE_STATUS_QUERY,
-    SCORING_QUERY,
-    ALERTS_QUERY,
-)
+FINAL_WINDOWS_QUERY = QuerySpec(DEVICE_WINDOWS, start_final_windows)
+LIVE_WINDOWS_QUERY = QuerySpec(LIVE_WINDOWS, start_live_windows)
 
 
 # --- the event-time clock ---------------------------------------------------------------------------------

@@ -26,14 +26,14 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
+from ingest.silver import READING_KEY
 from iotmon.config import Settings
-from iotmon.lake import TransactionId, append_once, create_table, read_text, write_text
+from iotmon.lake import BatchLedger, append_once, create_table, read_text, write_text
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, SILVER
 from ml import registry
 from ml.features import FeatureSpec, reading_features
 from ml.model import anomaly_scores
-from streaming.silver import READING_KEY
 
 KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset")
 """Silver columns carried into ``anomalies`` besides the reading key: where it is and where it came from."""
@@ -154,7 +154,7 @@ def scoring_ready(spark: SparkSession, settings: Settings) -> str | None:
 def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
     checkpoint = settings.checkpoint_path(ANOMALIES)
     path = settings.table_path(ANOMALIES)
-    app_id = TransactionId(checkpoint)
+    ledger = BatchLedger(checkpoint)
 
     def write(batch: DataFrame, batch_id: int) -> None:
         spark = batch.sparkSession
@@ -172,7 +172,7 @@ def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
                 write_text(spark, pin, str(ref.version))
                 write_text(spark, f"{checkpoint}/model-pins/{batch_id - PINS_KEPT}", None)
             scores = scored_readings(batch, context, pipeline, ref, since=bounds[0])
-            append_once(scores, path, app_id(batch), batch_id)
+            append_once(scores, path, ledger, batch_id)
         finally:
             batch.unpersist()
 

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from ingest.silver import READING_KEY, LatenessRules, lateness, silver_from_bronze
 from ingest.verify import bronze_identity, resolve_unknown_offsets
 from iotmon.config import Settings
 from iotmon.schema import (
@@ -42,7 +43,6 @@ from iotmon.schema import (
 from ml import registry
 from streaming.jobs import final_through
 from streaming.scoring import scored_readings
-from streaming.silver import READING_KEY, LatenessRules, lateness, silver_from_bronze
 from streaming.windows import END_COLUMN, FINAL_TABLES, STAT_COLUMNS, WindowSpec, tumbling_device_windows
 
 RELATIVE_TOLERANCE = 1e-9

@@ -14,8 +14,7 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
-from iotmon.cli import run_stream
+from ingest.silver import READING_KEY
 from iotmon.config import Settings, interval_seconds
 from iotmon.queries import run_until_idle
 from iotmon.schema import (
@@ -28,11 +27,11 @@ from iotmon.schema import (
     STREAM_CLOCK,
     TOO_LATE,
 )
+from pipeline.backfill import backfill
+from pipeline.stream import run_stream
+from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
-from streaming.backfill import backfill
-from streaming.jobs import ANALYTICS_QUERIES, ensure_analytics_tables
-from streaming.silver import READING_KEY
 from streaming.verify import KEYS, compare_tables, reconcile_analytics
 from streaming.windows import FINAL_TABLES, WindowSpec, tumbling_device_windows
 from tests.support import isolated_settings, wait_for
@@ -68,9 +67,8 @@ def _simulate(
 
 
 def _drain(spark: SparkSession, settings: Settings) -> dict[str, int]:
-    ensure_archive_tables(spark, settings)
-    ensure_analytics_tables(spark, settings)
-    return run_until_idle(spark, settings, (*ARCHIVE_QUERIES, *ANALYTICS_QUERIES))
+    ensure_tables(spark, settings)
+    return run_until_idle(spark, settings, queries())
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,16 @@ import datetime as dt
 import pytest
 from pyspark.sql import SparkSession
 
-from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
 from ingest.bronze import PayloadRules
+from ingest.silver import READING_KEY
 from iotmon.config import Settings
 from iotmon.kafka import ensure_topic, make_producer
 from iotmon.queries import run_until_idle
 from iotmon.schema import BRONZE, DEVICES, DEVICES_SCHEMA, QUARANTINE, SILVER
-from streaming.jobs import ANALYTICS_QUERIES, ensure_analytics_tables
-from streaming.silver import READING_KEY
+from pipeline.topology import ensure_tables, queries
 from tests.bad_input import ANY_REASON, Record, acceptable_reading, draw_records, reason_codes, records
 
 pytestmark = pytest.mark.integration
-
-SILVER_QUERY = ANALYTICS_QUERIES[0]
-assert SILVER_QUERY.name == SILVER
 
 
 def _publish(settings: Settings, batch: list[Record], kafka_ts: dt.datetime) -> dict[tuple[int, int], Record]:
@@ -73,12 +69,11 @@ def test_bad_records_are_quarantined_with_their_reason_and_good_ones_reach_silve
     assert len(good) > 50 and len(good) < len(batch) - 100, "a mix of good and bad"
 
     ensure_topic(isolated)
-    ensure_archive_tables(spark, isolated)
-    ensure_analytics_tables(spark, isolated)
+    ensure_tables(spark, isolated)
     _register(spark, isolated, {reading["device_id"] for reading in good})
     placed = _publish(isolated, batch, kafka_ts)
 
-    drained = run_until_idle(spark, isolated, (*ARCHIVE_QUERIES, SILVER_QUERY))  # raises if a query failed
+    drained = run_until_idle(spark, isolated, queries([SILVER, QUARANTINE]))  # raises if a query failed
     assert drained[BRONZE] == len(batch)
 
     bronze = {

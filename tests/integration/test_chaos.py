@@ -31,10 +31,10 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
         trigger_interval="1 seconds",
         feature_history="5 seconds",
     )
-    # One kill while a batch is in flight in each stage: the archive, the deduplicating MERGE, a stateful query
-    # (transformWithState with timers; the window aggregations share its state store and checkpoint protocol),
-    # the scorer and the alerts MERGE. Seed 4 restarts the broker in the second run and takes only the Python
-    # driver in the second and third, orphaning their JVMs.
+    # One kill while a batch is in flight in each stage: bronze (and quarantine), silver (its deduplication
+    # state), a stateful query (transformWithState with timers; the window aggregations share its
+    # state store and checkpoint protocol), the scorer and the alerts MERGE. The seed decides which run has the
+    # broker restarted under it and which kills take only the Python driver, orphaning its JVM.
     kill_in = (BRONZE, SILVER, DEVICE_STATUS, ANOMALIES, ALERTS)
     options = ChaosOptions(
         kills=len(kill_in),

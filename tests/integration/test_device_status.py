@@ -58,11 +58,12 @@ def _current(spark: SparkSession, settings: Settings) -> dict[str, tuple[Any, ..
 
 
 def _last_commit(settings: Settings, table: str) -> tuple[int, list[dict[str, Any]]]:
-    """The table's latest version and the transaction ids it recorded."""
+    """The table's latest version and the batch its commit is tagged with (``iotmon.lake.commit_tag``)."""
     log = Path(settings.table_path(table)) / "_delta_log"
     latest = max(log.glob("*.json"), key=lambda path: int(path.stem))
     actions = [json.loads(line) for line in latest.read_text().splitlines() if line.strip()]
-    return int(latest.stem), [action["txn"] for action in actions if "txn" in action]
+    tags = [json.loads(a["commitInfo"]["userMetadata"]) for a in actions if a.get("commitInfo", {}).get("userMetadata")]
+    return int(latest.stem), [{"version": tag["batch"]} for tag in tags]
 
 
 EXPECTED_CHANGES = sorted(

@@ -10,7 +10,7 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
+from ingest.silver import READING_KEY
 from iotmon.config import Settings
 from iotmon.queries import run_until_idle
 from iotmon.schema import ANOMALIES, SILVER
@@ -18,12 +18,11 @@ from ml import registry
 from ml.features import FEATURE_VERSION
 from ml.model import ModelParams
 from ml.train import TrainingError, TrainOptions, archive_extent, train
+from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from streaming import scoring
-from streaming.jobs import ensure_analytics_tables
 from streaming.scoring import SCORING_QUERY, serving_model, start_scoring
-from streaming.silver import READING_KEY
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
@@ -40,12 +39,8 @@ def _simulate(settings: Settings, truth: Path, start: dt.datetime, duration: flo
 
 
 def _archive_to_silver(spark: SparkSession, settings: Settings) -> None:
-    from streaming.jobs import ANALYTICS_QUERIES
-
-    ensure_archive_tables(spark, settings)
-    ensure_analytics_tables(spark, settings)
-    silver = [spec for spec in ANALYTICS_QUERIES if spec.name == SILVER]
-    run_until_idle(spark, settings, (*ARCHIVE_QUERIES, *silver))
+    ensure_tables(spark, settings)
+    run_until_idle(spark, settings, queries([SILVER]))
 
 
 def _keys(spark: SparkSession, settings: Settings, table: str):
@@ -54,7 +49,7 @@ def _keys(spark: SparkSession, settings: Settings, table: str):
 
 def test_trainer_refuses_an_empty_archive_with_a_reason(isolated: Settings, spark: SparkSession) -> None:
     assert archive_extent(isolated) is None
-    ensure_analytics_tables(spark, isolated)  # silver exists but holds nothing yet: the demo's first seconds
+    ensure_tables(spark, isolated)  # silver exists but holds nothing yet: the demo's first seconds
     assert archive_extent(isolated).readings == 0
     with pytest.raises(TrainingError, match=r"holds 0 readings .* training needs 1,000"):
         train(spark, isolated, TrainOptions(params=ModelParams()))

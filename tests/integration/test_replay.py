@@ -17,15 +17,14 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from pyspark.sql import SparkSession
 
-from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables
 from iotmon.cli import main
 from iotmon.config import Settings
 from iotmon.kafka import client_config
 from iotmon.queries import run_until_idle
 from iotmon.schema import DEVICES, DEVICES_SCHEMA, LIVE_WINDOWS, METRIC_NAMES, QUARANTINE, REQUIRED_FIELDS, SILVER
+from pipeline.topology import ensure_tables, queries
 from simulators.fleet import arrow_schema
 from simulators.timefmt import format_timestamp
-from streaming.jobs import ANALYTICS_QUERIES, ensure_analytics_tables
 
 pytestmark = pytest.mark.integration
 
@@ -201,10 +200,8 @@ def test_a_restamped_replay_reaches_silver_with_every_reading(
     assert _replay(isolated, monkeypatch, str(path), *flags) == 0
 
     # The stages the assertions need, not the whole pipeline: archive, silver, live windows.
-    ensure_archive_tables(spark, isolated)
-    ensure_analytics_tables(spark, isolated)
-    needed = [spec for spec in ANALYTICS_QUERIES if spec.name in {SILVER, LIVE_WINDOWS}]
-    run_until_idle(spark, isolated, (*ARCHIVE_QUERIES, *needed))
+    ensure_tables(spark, isolated)
+    run_until_idle(spark, isolated, queries([SILVER, LIVE_WINDOWS]))
     silver = spark.read.format("delta").load(isolated.table_path(SILVER))
     assert silver.count() == 60 and silver.select("device_id", "seq").distinct().count() == 60
     assert {r.lateness for r in silver.select("lateness").distinct().collect()} == {"on_time"}

@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from ingest.archive import ARCHIVE_QUERIES, ensure_archive_tables, kafka_records
+from ingest.landing import kafka_records
 from ingest.verify import reconcile
 from iotmon import broker
 from iotmon.config import Secret, Settings
 from iotmon.kafka import KafkaUnavailable, partition_offsets
 from iotmon.ops import install_progress_recorder
 from iotmon.queries import run_until_idle
-from iotmon.schema import BRONZE, QUERY_PROGRESS
+from iotmon.schema import BRONZE, QUARANTINE, QUERY_PROGRESS
+from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from tests.support import cli_env, free_port, wait_for, with_own_broker
@@ -215,10 +216,10 @@ def test_archive_from_a_sasl_broker_keeps_the_password_to_kafka(
         assert "kafka.sasl.jaas.config=*********(redacted)" in plan and PASSWORD not in plan
 
         # The real bronze query, as `iotmon stream` runs it, with its progress recorded to query_progress.
-        ensure_archive_tables(spark, secured)
+        ensure_tables(spark, secured)
         stream_output = io.StringIO()
         with install_progress_recorder(spark, secured, flush_every=0.5):
-            drained = run_until_idle(spark, secured, ARCHIVE_QUERIES, out=stream_output)
+            drained = run_until_idle(spark, secured, queries([BRONZE, QUARANTINE]), out=stream_output)
         assert drained[BRONZE] == 2_000
         config = subprocess.run([*IOTMON, "config"], env=cli_env(secured), capture_output=True, text=True, timeout=60)
         assert config.returncode == 0 and "IOTMON_KAFKA_SASL_PASSWORD" in config.stdout

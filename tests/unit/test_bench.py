@@ -18,11 +18,11 @@ from bench.latency import Latency
 from bench.run import BenchOptions
 from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
 from bench.system import machine_info, parse_meminfo, parse_status_rss
-from bench.throughput import BRONZE_WITH_ERRORS, KAFKA, behind
+from bench.throughput import behind
 from bench.training import copies_and_share
 from iotmon.cli import build_parser
 from iotmon.schema import SILVER_SCHEMA
-from iotmon.status import rows_in_files_with
+from pipeline.topology import KAFKA
 
 MEMINFO = (
     "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\nHugePages_Total:       0\n"
@@ -92,8 +92,8 @@ def test_machine_info_reports_cores_and_memory() -> None:
 
 
 def test_a_query_is_behind_until_it_read_what_its_source_holds() -> None:
-    held = {KAFKA: 100, "bronze": 100, BRONZE_WITH_ERRORS: 100, "silver": 95, "anomalies": 95}
-    read = {"bronze": 100, "quarantine": 100, "silver": 100, "device_windows": 95, "device_windows_live": 95}
+    held = {KAFKA: 100, "bronze": 100, "silver": 95, "anomalies": 95}
+    read = {"bronze": 100, "silver": 100, "late_arrivals": 100, "device_windows": 95, "device_windows_live": 95}
     read |= {"device_status": 95, "anomalies": 95, "alerts": 90}
     assert behind(read, held) == ["alerts"]
     assert behind({**read, "alerts": 95}, held) == []
@@ -249,29 +249,3 @@ def test_the_detection_ceiling_falls_with_the_threshold_and_leaves_part_of_drift
     printed = report(rows, share)
     assert "best per-reading F1 of the oracle" in printed and "noise_burst" in printed
     assert detectability_main(["--devices", "50", "--ticks", "300"]) == 0
-
-
-def test_a_filtered_stream_reads_only_the_files_whose_statistics_show_its_column(
-    spark: SparkSession, tmp_path: Path
-) -> None:
-    """Quarantine's input as the bench models it: Spark skips, and does not count, the files without a value."""
-    from deltalake import DeltaTable
-
-    table = str(tmp_path / "bronze")
-    clean = "SELECT id, CAST(NULL AS STRING) AS parse_error FROM range(100)"
-    spark.sql(clean).coalesce(1).write.format("delta").save(table)
-    broken = "SELECT id, CASE WHEN id = 5 THEN 'invalid_json' END AS parse_error FROM range(40)"
-    spark.sql(broken).coalesce(1).write.format("delta").mode("append").save(table)
-
-    query = (
-        spark.readStream.format("delta")
-        .load(table)
-        .where(F.col("parse_error").isNotNull())
-        .writeStream.format("noop")
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination(120)
-    counted = sum(p["numInputRows"] for p in query.recentProgress)
-    assert counted == rows_in_files_with(DeltaTable(table), "parse_error") == 40

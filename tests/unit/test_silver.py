@@ -6,8 +6,7 @@ import datetime as dt
 
 from pyspark.sql import DataFrame, SparkSession
 
-from iotmon.schema import BRONZE_SCHEMA, DEVICES_SCHEMA, QUARANTINE_SCHEMA, SILVER_SCHEMA
-from streaming.silver import (
+from ingest.silver import (
     LatenessRules,
     classify_readings,
     distinct_readings,
@@ -15,6 +14,7 @@ from streaming.silver import (
     silver_from_bronze,
     silver_rows,
 )
+from iotmon.schema import BRONZE_SCHEMA, DEVICES_SCHEMA, QUARANTINE_SCHEMA, SILVER_SCHEMA
 
 T0 = dt.datetime(2026, 11, 22, 12, 0, 0)
 RULES = LatenessRules(late_after_s=1.0, too_late_after_s=120.0)

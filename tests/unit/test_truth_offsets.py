@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from ingest.silver import LatenessRules, lateness
 from ingest.verify import _truth_check, resolve_unknown_offsets
 from simulators.truth import OFFSET_UNKNOWN, TRUTH_SCHEMA
-from streaming.silver import LatenessRules, lateness
 from streaming.verify import _silver_against_truth
 
 TOPIC = "iotmon.readings"

@@ -5,7 +5,8 @@ functions the stream runs are applied to a pinned bronze snapshot, each table is
 commit (readers see the old table or the new one, never a mix), and the downstream checkpoints are
 reset so the stream resumes on top of the rebuilt tables:
 
-* silver resumes after the bronze version the backfill read (``iotmon.bronzeVersion`` on silver);
+* the late-arrivals query resumes after the bronze version the backfill read (``iotmon.bronzeVersion`` on
+  silver); the ingest query, which reads Kafka, goes on appending to the rebuilt silver;
 * the gold queries re-derive their state from the rebuilt silver and skip final rows the backfill
   already wrote (``iotmon.finalThrough`` on ``device_windows``), so nothing is written twice;
 * device status is cleared and re-derived by its query from silver.
@@ -26,6 +27,15 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from ingest.landing import BRONZE_VERSION
+from ingest.silver import (
+    SILVER_STAGE,
+    LatenessRules,
+    classify_readings,
+    distinct_readings,
+    rejected_rows,
+    silver_rows,
+)
 from iotmon.config import Settings, interval_seconds
 from iotmon.schema import (
     ALERTS,
@@ -40,19 +50,13 @@ from iotmon.schema import (
     QUARANTINE,
     SILVER,
 )
-from streaming.jobs import BRONZE_VERSION, FINAL_THROUGH
-from streaming.silver import (
-    SILVER_STAGE,
-    LatenessRules,
-    classify_readings,
-    distinct_readings,
-    rejected_rows,
-    silver_rows,
-)
+from pipeline.topology import downstream_of
+from streaming.jobs import FINAL_THROUGH
 from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
 
-RESET_QUERIES: tuple[str, ...] = (SILVER, DEVICE_WINDOWS, LIVE_WINDOWS, DEVICE_STATUS, ANOMALIES, ALERTS)
-"""The queries downstream of bronze, whose checkpoints a backfill replaces."""
+RESET_QUERIES: tuple[str, ...] = downstream_of(BRONZE)
+"""The queries downstream of bronze, whose checkpoints a backfill replaces (the ingest query reads Kafka
+and goes on appending to the rebuilt silver)."""
 REBUILT_BY_STREAM: tuple[str, ...] = (DEVICE_STATUS, DEVICE_STATUS_CHANGES, ANOMALIES, ALERTS)
 """Tables a backfill empties for the resumed stream to rebuild from the new silver: state machines, whose
 history only the stream replays faithfully, and the scores (the current champion rescores everything)."""

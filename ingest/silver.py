@@ -1,7 +1,8 @@
 """Bronze -> silver: typed, validated, enriched and deduplicated readings.
 
-Pure ``DataFrame -> DataFrame`` functions, run on the bronze stream by ``streaming.jobs`` and on a bronze
-snapshot by ``iotmon backfill``, so both produce the same rows.
+Pure ``DataFrame -> DataFrame`` functions, run on each micro-batch of Kafka records by the ingest query
+(``ingest.landing``) and on a bronze snapshot by ``iotmon backfill`` and ``iotmon verify``, so all produce the
+same rows.
 
 * **Enrichment** is a join with the device registry: in the stream a stream-static join, re-read at every
   micro-batch, so a device registered later is recognised from then on. A reading of an unregistered
@@ -12,8 +13,9 @@ snapshot by ``iotmon backfill``, so both produce the same rows.
   to ``IOTMON_LATE_AFTER``, ``late`` up to the watermark, ``too_late`` beyond it. Every late reading stays
   in silver; only the windowed aggregates leave ``too_late`` ones out, by this flag, so a batch
   recomputation excludes exactly what the stream excluded.
-* **Deduplication** is exact on ``(device_id, seq, event_time)``: within a batch the first copy to reach
-  Kafka wins, across batches the silver sink inserts only readings it does not hold yet.
+* **Deduplication** is exact on ``(device_id, seq, event_time)``: the copy that reached Kafka first wins
+  (``distinct_readings``). How the stream knows which readings silver already holds is
+  ``ingest.landing``'s part: state within the watermark, the table itself beyond it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,249 @@
+"""The ingest stage's edges: Kafka records land in bronze and quarantine, distinct readings in silver.
+
+Exactly once, end to end: Kafka is replayable by offset, each query checkpoints the offsets of each batch
+before running it, and each table holds each batch id of a query at most once (``iotmon.lake.BatchLedger``).
+A batch interrupted anywhere (SIGKILL included) is re-run from the same offsets with the same state, and a
+table that already holds it is skipped.
+
+Three queries, each reading what it needs once:
+
+* **bronze** reads Kafka and parses each record once (``ingest.bronze``): every record into bronze, those
+  that failed parsing into quarantine with the reason.
+* **silver** reads bronze's typed columns (a columnar read, several times cheaper than Kafka and the JSON
+  parse again: docs/cost-model.md), joins the registry (readings of unregistered devices go to quarantine)
+  and keeps each distinct reading once. Deduplication within the watermark is Spark's state store:
+  ``dropDuplicatesWithinWatermark`` on the reading key remembers every key for ``IOTMON_WATERMARK`` of event
+  time, so a batch learns which of its readings are new without reading silver.
+* **late_arrivals** lands the readings Kafka delivered later than the watermark (``too_late``), which no
+  state remembers: silver itself is looked up for them, a slow trigger's worth at a time (a lookup costs a
+  Delta snapshot, shared by all the batch's late readings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
+
+from ingest.bronze import PayloadRules, parse_records, quarantine_rows
+from ingest.silver import (
+    READING_KEY,
+    LatenessRules,
+    classify_readings,
+    distinct_readings,
+    rejected_rows,
+    silver_rows,
+)
+from iotmon.config import Settings
+from iotmon.kafka import spark_kafka_options
+from iotmon.lake import BatchLedger, append_once, create_table, planned_watermark, table_property
+from iotmon.queries import QuerySpec, Trigger
+from iotmon.schema import (
+    BRONZE,
+    BRONZE_SCHEMA,
+    DEVICES,
+    DEVICES_SCHEMA,
+    EVENT_TIME,
+    LATE_ARRIVALS,
+    LATENESS,
+    QUARANTINE,
+    QUARANTINE_SCHEMA,
+    SILVER,
+    SILVER_SCHEMA,
+    TOO_LATE,
+)
+
+BRONZE_VERSION = "iotmon.bronzeVersion"
+"""Table property of ``silver`` set by ``iotmon backfill``: silver holds bronze up to this version, so the
+late-arrivals query starting from a new checkpoint begins right after it."""
+FIRST_SEEN = "_first_seen"
+"""Marks the rows of a silver batch that are reading keys seen for the first time, not records."""
+MAX_FILES_PER_TRIGGER = 1_000_000
+"""Bronze files a downstream batch may read: all there are. Delta's default (1,000) would split a backlog
+into batches whose watermark could overtake the readings of the next."""
+BatchWriter = Callable[[DataFrame, int], None]
+
+
+def ensure_landing_tables(spark: SparkSession, settings: Settings) -> None:
+    """Create the ingest stage's tables up front, so readers and downstream streams find them from the start."""
+    table = settings.table_path
+    create_table(
+        spark, table(BRONZE), BRONZE_SCHEMA, "Every Kafka record exactly once, parsed where possible.", append_only=True
+    )
+    create_table(
+        spark, table(QUARANTINE), QUARANTINE_SCHEMA, "Records that failed parsing or validation, with the reason."
+    )
+    create_table(spark, table(DEVICES), DEVICES_SCHEMA, "The device registry (static reference).")
+    create_table(spark, table(SILVER), SILVER_SCHEMA, "Distinct valid readings, enriched.")
+
+
+def kafka_records(spark: SparkSession, settings: Settings) -> DataFrame:
+    """The readings topic as an unbounded table of Kafka records."""
+    reader = (
+        spark.readStream.format("kafka")
+        .options(**spark_kafka_options(settings))
+        .option("subscribe", settings.topic)
+        .option("startingOffsets", "earliest")
+        # A gap between checkpoint and broker must stop the archive loudly, never skip silently.
+        .option("failOnDataLoss", "true")
+    )
+    if settings.max_offsets_per_trigger:
+        reader = reader.option("maxOffsetsPerTrigger", settings.max_offsets_per_trigger)
+    return reader.load()
+
+
+def registry(spark: SparkSession, settings: Settings) -> DataFrame:
+    """The device registry as a static table: a stream joined with it re-reads it at every micro-batch."""
+    return spark.read.format("delta").load(settings.table_path(DEVICES))
+
+
+def first_seen_keys(readings: DataFrame, watermark: str) -> DataFrame:
+    """The key of each reading seen for the first time, by state within ``watermark``.
+
+    ``readings`` are accepted, not ``too_late`` (the late-arrivals query's part). The rare reading whose
+    event time the watermark has passed anyway is dropped here, and recognised by the batch writer.
+    """
+    return (
+        readings.withWatermark(EVENT_TIME, watermark)
+        .dropDuplicatesWithinWatermark(list(READING_KEY))
+        .select(*READING_KEY)
+        .withColumn(FIRST_SEEN, F.lit(True))
+    )
+
+
+def silver_candidates(bronze: DataFrame, devices: DataFrame, settings: Settings) -> DataFrame:
+    """Bronze rows -> what one silver batch needs: every parsed record classified (``ingest.silver``), plus
+    (``FIRST_SEEN``) the keys of the readings seen for the first time. Pure; on a stream the keys are state."""
+    lateness = LatenessRules.from_settings(settings)
+    classified = classify_readings(bronze, devices, lateness).withColumn(FIRST_SEEN, F.lit(False))
+    recent = silver_rows(classify_readings(bronze, devices, lateness)).where(F.col(LATENESS) != TOO_LATE)
+    return classified.unionByName(first_seen_keys(recent, settings.watermark), allowMissingColumns=True)
+
+
+def write_bronze(settings: Settings, ledger: BatchLedger) -> BatchWriter:
+    """The bronze query's ``foreachBatch``: every record, then the ones that failed parsing."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        batch.persist()
+        try:
+            append_once(batch, settings.table_path(BRONZE), ledger, batch_id)
+            rejects = quarantine_rows(batch)
+            if not rejects.isEmpty():
+                append_once(rejects, settings.table_path(QUARANTINE), ledger, batch_id)
+        finally:
+            batch.unpersist()
+
+    return write
+
+
+def start_bronze(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    """Kafka -> bronze and quarantine: one read, one parse per record."""
+    checkpoint = settings.checkpoint_path(BRONZE)
+    return (
+        parse_records(kafka_records(spark, settings), PayloadRules.from_settings(settings))
+        .writeStream.queryName(BRONZE)
+        .foreachBatch(write_bronze(settings, BatchLedger(checkpoint)))
+        .option("checkpointLocation", checkpoint)
+        .trigger(**trigger)
+        .start()
+    )
+
+
+class SilverWriter:
+    """The silver query's ``foreachBatch``: the batch's new readings into silver, rejects into quarantine."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.checkpoint = settings.checkpoint_path(SILVER)
+        self.ledger = BatchLedger(self.checkpoint)
+
+    def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        spark, table = batch.sparkSession, self.settings.table_path
+        batch.persist()
+        try:
+            classified = batch.where(~F.col(FIRST_SEEN))
+            first_seen = batch.where(F.col(FIRST_SEEN)).select(*READING_KEY)
+            readings = silver_rows(classified).where(F.col(LATENESS) != TOO_LATE)
+            new = distinct_readings(readings.join(first_seen, list(READING_KEY), "left_semi"))
+            watermark = planned_watermark(spark, self.checkpoint, batch_id)
+            if watermark is not None:
+                # Behind the watermark the state may not have been asked: silver answers for those.
+                behind = readings.where(F.col(EVENT_TIME) <= F.lit(watermark))
+                behind = behind.join(first_seen, list(READING_KEY), "left_anti")
+                if not behind.isEmpty():
+                    new = new.unionByName(not_in_silver(distinct_readings(behind), spark, self.settings))
+            append_once(new, table(SILVER), self.ledger, batch_id)
+            rejects = rejected_rows(classified)
+            if not rejects.isEmpty():
+                append_once(rejects, table(QUARANTINE), self.ledger, batch_id)
+        finally:
+            batch.unpersist()
+
+
+def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:
+    """Bronze as a stream, for a query starting from a new checkpoint right after what a backfill read."""
+    reader = spark.readStream.format("delta").option("maxFilesPerTrigger", MAX_FILES_PER_TRIGGER)
+    backfilled = table_property(spark, settings.table_path(SILVER), BRONZE_VERSION)
+    if backfilled is not None:  # only honoured by a new checkpoint, which is when it applies
+        reader = reader.option("startingVersion", int(backfilled) + 1)
+    return reader.load(settings.table_path(BRONZE))
+
+
+def start_silver(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    """Bronze -> silver, deduplicated by state, joined with the static registry (a stream-static join)."""
+    rows = silver_candidates(bronze_stream(spark, settings), registry(spark, settings), settings)
+    return (
+        rows.writeStream.queryName(SILVER)
+        .foreachBatch(SilverWriter(settings))
+        .option("checkpointLocation", settings.checkpoint_path(SILVER))
+        .trigger(**trigger)
+        .start()
+    )
+
+
+def not_in_silver(readings: DataFrame, spark: SparkSession, settings: Settings) -> DataFrame:
+    """``readings`` that silver does not hold yet. The event-time bounds let Delta skip every silver file
+    that cannot hold one of them."""
+    bounds = readings.agg(F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
+    if bounds is None or bounds[0] is None:
+        return readings
+    silver = spark.read.format("delta").load(settings.table_path(SILVER))
+    held = silver.where(F.col(EVENT_TIME).between(F.lit(bounds[0]), F.lit(bounds[1]))).select(*READING_KEY)
+    return readings.join(held, list(READING_KEY), "left_anti")
+
+
+def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
+    def write(batch: DataFrame, batch_id: int) -> None:
+        batch.persist()
+        try:
+            new = not_in_silver(distinct_readings(batch), batch.sparkSession, settings)
+            if not new.isEmpty():
+                append_once(new, settings.table_path(SILVER), ledger, batch_id)
+        finally:
+            batch.unpersist()
+
+    return write
+
+
+def start_late_arrivals(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    """Bronze -> silver for the readings Kafka delivered later than the watermark: rare, so looked up in
+    silver itself, a whole trigger's worth at once."""
+    checkpoint = settings.checkpoint_path(LATE_ARRIVALS)
+    classified = classify_readings(
+        bronze_stream(spark, settings), registry(spark, settings), LatenessRules.from_settings(settings)
+    )
+    late = silver_rows(classified).where(F.col(LATENESS) == TOO_LATE)
+    return (
+        late.writeStream.queryName(LATE_ARRIVALS)
+        .foreachBatch(write_late_arrivals(settings, BatchLedger(checkpoint)))
+        .option("checkpointLocation", checkpoint)
+        .trigger(**trigger)
+        .start()
+    )
+
+
+BRONZE_QUERY = QuerySpec(BRONZE, start_bronze)
+SILVER_QUERY = QuerySpec(SILVER, start_silver)
+LATE_ARRIVALS_QUERY = QuerySpec(LATE_ARRIVALS, start_late_arrivals)

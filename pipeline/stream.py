@@ -1,0 +1,36 @@
+"""``iotmon stream``: every query of the topology, continuously or until what Kafka holds is in every table."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from iotmon.config import Settings
+
+
+def run_stream(settings: Settings, stop: threading.Event | None) -> None:
+    """Continuously until ``stop`` is set, or (``stop`` is None) until what Kafka holds now is in every table."""
+    from iotmon.kafka import ensure_topic
+    from iotmon.ops import install_progress_recorder
+    from iotmon.preflight import require_writable
+    from iotmon.queries import run_continuously, run_until_idle
+    from iotmon.spark import spark_session
+    from pipeline.topology import ensure_tables, queries, trigger_of
+    from streaming.jobs import EventClock
+
+    require_writable(settings, "lake", "checkpoints", "home")
+    ensure_topic(settings)
+    spark = spark_session(settings, "iotmon-stream")
+    ensure_tables(spark, settings)
+    with install_progress_recorder(spark, settings):
+        if stop is None:
+            run_until_idle(spark, settings, queries())
+            return
+        EventClock(spark, settings, stop).start()
+        print(
+            f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval}; "
+            "Ctrl-C or SIGTERM stops cleanly",
+            file=sys.stderr,
+            flush=True,
+        )
+        run_continuously(spark, settings, queries(), stop, trigger_of=trigger_of(settings))

@@ -1,0 +1,159 @@
+"""The topology: every streaming query of the pipeline, what it reads and writes, how often it runs and why.
+
+One declaration, used by ``iotmon stream`` (which queries to start, with which trigger), ``iotmon stream
+--until-idle`` and the backfill (which queries to drain or reset, in order), the bench (what each query
+reads, to tell when it has caught up) and the docs' picture (docs/topology.md)::
+
+    Kafka ──bronze──▶ bronze, quarantine
+    bronze ──silver──▶ silver, quarantine        (state-store dedup within the watermark)
+           └─late_arrivals──▶ silver             (readings later than the watermark, looked up)
+    silver ──device_windows──▶ device_windows, site_windows, device_sessions
+           ├─device_windows_live──▶ device_windows_live
+           ├─device_status──▶ device_status, device_status_changes
+           └─anomalies──▶ anomalies ──alerts──▶ alerts
+
+Queries are listed upstream first: draining them in this order, each sees everything its sources got.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pyspark.sql import SparkSession
+
+from ingest.landing import BRONZE_QUERY, LATE_ARRIVALS_QUERY, SILVER_QUERY, ensure_landing_tables
+from iotmon.config import Settings
+from iotmon.queries import QuerySpec, Trigger
+from iotmon.schema import (
+    ALERTS,
+    ANOMALIES,
+    BRONZE,
+    DEVICE_SESSIONS,
+    DEVICE_STATUS,
+    DEVICE_STATUS_CHANGES,
+    DEVICE_WINDOWS,
+    DEVICES,
+    LIVE_WINDOWS,
+    QUARANTINE,
+    SILVER,
+    SITE_WINDOWS,
+    STREAM_CLOCK,
+)
+from streaming.alerts import ALERTS_QUERY
+from streaming.device_status import DEVICE_STATUS_QUERY
+from streaming.jobs import FINAL_WINDOWS_QUERY, LIVE_WINDOWS_QUERY, ensure_analytics_tables
+from streaming.scoring import SCORING_QUERY
+
+KAFKA = "kafka"
+"""What the ingest query reads: the readings topic."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One streaming query in the pipeline."""
+
+    query: QuerySpec
+    reads: tuple[str, ...]
+    """Its sources: the first is the one it streams from (``KAFKA`` or a table), the rest are joined in."""
+    writes: tuple[str, ...]
+    purpose: str
+
+    @property
+    def name(self) -> str:
+        return self.query.name
+
+    @property
+    def source(self) -> str:
+        return self.reads[0]
+
+
+TOPOLOGY: tuple[Node, ...] = (
+    Node(
+        BRONZE_QUERY,
+        reads=(KAFKA,),
+        writes=(BRONZE, QUARANTINE),
+        purpose="every record once, parsed once; the ones that failed parsing quarantined with the reason",
+    ),
+    Node(
+        SILVER_QUERY,
+        reads=(BRONZE, DEVICES),
+        writes=(SILVER, QUARANTINE),
+        purpose="each distinct reading once (state-store deduplication), enriched; unregistered devices quarantined",
+    ),
+    Node(
+        LATE_ARRIVALS_QUERY,
+        reads=(BRONZE, DEVICES, SILVER),
+        writes=(SILVER,),
+        purpose="readings Kafka delivered later than the watermark, looked up in silver",
+    ),
+    Node(
+        FINAL_WINDOWS_QUERY,
+        reads=(SILVER, STREAM_CLOCK),
+        writes=(DEVICE_WINDOWS, SITE_WINDOWS, DEVICE_SESSIONS),
+        purpose="final tumbling, sliding and session windows, each written once the watermark passed it",
+    ),
+    Node(
+        LIVE_WINDOWS_QUERY,
+        reads=(SILVER, STREAM_CLOCK),
+        writes=(LIVE_WINDOWS,),
+        purpose="the current windows, updated in place as readings arrive",
+    ),
+    Node(
+        DEVICE_STATUS_QUERY,
+        reads=(SILVER, STREAM_CLOCK),
+        writes=(DEVICE_STATUS, DEVICE_STATUS_CHANGES),
+        purpose="online / degraded / offline per device, with event-time timers",
+    ),
+    Node(
+        SCORING_QUERY,
+        reads=(SILVER,),
+        writes=(ANOMALIES,),
+        purpose="every reading scored by the champion model",
+    ),
+    Node(
+        ALERTS_QUERY,
+        reads=(ANOMALIES, STREAM_CLOCK),
+        writes=(ALERTS,),
+        purpose="anomaly incidents per device, opened and cleared in event time",
+    ),
+)
+
+
+def ensure_tables(spark: SparkSession, settings: Settings) -> None:
+    """Create every table the queries read or write, so readers and streams find them from the start."""
+    ensure_landing_tables(spark, settings)
+    ensure_analytics_tables(spark, settings)
+
+
+def node(name: str) -> Node:
+    return next(n for n in TOPOLOGY if n.name == name)
+
+
+def queries(producing: Iterable[str] | None = None) -> tuple[QuerySpec, ...]:
+    """Every query, or the ones the tables ``producing`` need (those writing them and everything upstream),
+    upstream first."""
+    if producing is None:
+        return tuple(n.query for n in TOPOLOGY)
+    wanted: set[str] = set()
+    tables = set(producing)
+    for n in reversed(TOPOLOGY):
+        if tables & set(n.writes):
+            wanted.add(n.name)
+            tables |= set(n.reads)
+    return tuple(n.query for n in TOPOLOGY if n.name in wanted)
+
+
+def downstream_of(table: str) -> tuple[str, ...]:
+    """The queries that read ``table`` directly or through other queries, upstream first."""
+    reached, names = {table}, []
+    for n in TOPOLOGY:
+        if reached & set(n.reads):
+            names.append(n.name)
+            reached |= set(n.writes)
+    return tuple(names)
+
+
+def trigger_of(settings: Settings) -> Callable[[QuerySpec], Trigger]:
+    """Each query's processing-time trigger."""
+    return lambda spec: {"processingTime": settings.trigger_interval}

@@ -1,0 +1,85 @@
+"""Exactly-once writes by commit tag, on real Delta tables: a replayed batch is skipped where it landed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from iotmon.lake import BatchLedger, append_once, ledger_for, merge_once
+
+pytestmark = pytest.mark.integration
+
+
+def _rows(spark: SparkSession, path: Path) -> list[tuple[int, str]]:
+    return sorted((r.id, r.v) for r in spark.read.format("delta").load(str(path)).collect())
+
+
+def _jobs_during(spark: SparkSession, action) -> int:
+    tracker, group = spark.sparkContext.statusTracker(), f"ledger-{id(action)}"
+    spark.sparkContext.setJobGroup(group, "counting jobs")
+    try:
+        action()
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    return len(tracker.getJobIdsForGroup(group))
+
+
+def test_a_batch_is_written_once_per_table_across_restarts(spark: SparkSession, tmp_path: Path) -> None:
+    table, other = tmp_path / "t", tmp_path / "u"
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "metadata").write_text(json.dumps({"id": "query-1"}))
+    first = spark.createDataFrame([(1, "a"), (2, "b")], "id long, v string")
+    second = spark.createDataFrame([(3, "c")], "id long, v string")
+
+    ledger = BatchLedger(str(checkpoint))
+    assert append_once(first, str(table), ledger, 0)
+    assert append_once(first, str(other), ledger, 0)
+    # Within a run, the ledger answers from memory: a write costs its one job, no log reading, no state.
+    assert _jobs_during(spark, lambda: append_once(second, str(table), ledger, 1)) == 1
+    assert not append_once(second, str(table), ledger, 1)
+
+    # A restart (a new ledger, as a restarted query gets) replays batch 1: it is found in the log and skipped
+    # where it landed, written where it did not.
+    restarted = BatchLedger(str(checkpoint))
+    assert not append_once(second, str(table), restarted, 1)
+    assert append_once(second, str(other), restarted, 1)
+    assert _rows(spark, table) == _rows(spark, other) == [(1, "a"), (2, "b"), (3, "c")]
+
+    # Another writer's tags are not ours: a new checkpoint starts its own sequence at 0.
+    (checkpoint / "metadata").write_text(json.dumps({"id": "query-2"}))
+    assert append_once(second, str(table), BatchLedger(str(checkpoint)), 0)
+    assert len(_rows(spark, table)) == 4
+
+
+def test_merge_is_tagged_and_skipped_on_replay(spark: SparkSession, tmp_path: Path) -> None:
+    table = str(tmp_path / "t")
+    spark.createDataFrame([(1, "a")], "id long, v string").write.format("delta").save(table)
+    update = spark.createDataFrame([(1, "A"), (2, "b")], "id long, v string")
+    same = F.col("t.id") == F.col("s.id")
+    assert merge_once(update, table, same, ledger_for("merger"), 7, update=True)
+    changed = spark.createDataFrame([(1, "wrong")], "id long, v string")
+    # A replay of batch 7 by the same writer after a restart: the table holds it already.
+    assert not merge_once(changed, table, same, ledger_for("merger"), 7, update=True)
+    assert _rows(spark, Path(table)) == [(1, "A"), (2, "b")]
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").where("operation = 'MERGE'").first()
+    assert json.loads(history.userMetadata) == {"app": "merger", "batch": 7}
+    # The session's commit metadata is not left behind for the next, untagged command.
+    assert spark.conf.get("spark.databricks.delta.commitInfo.userMetadata", None) is None
+
+
+def test_a_failed_write_is_looked_up_again_before_the_next_attempt(spark: SparkSession, tmp_path: Path) -> None:
+    table = str(tmp_path / "t")
+    ledger = ledger_for("writer")
+    frame = spark.createDataFrame([(1, "a")], "id long, v string")
+    append_once(frame, table, ledger, 0)
+    bad = spark.createDataFrame([(1, 2)], "id long, v long")  # a schema Delta refuses to append
+    with pytest.raises(Exception, match=r"(?i)schema|merge"):
+        append_once(bad, table, ledger, 1)
+    assert table not in ledger.committed
+    assert append_once(frame, table, ledger, 1)
+    assert len(_rows(spark, Path(table))) == 2
