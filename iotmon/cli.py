@@ -155,9 +155,11 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
     from iotmon.preflight import require_writable
     from iotmon.queries import run_continuously, run_until_idle
     from iotmon.spark import spark_session
+    from ml.registry import import_mlflow
     from streaming.jobs import ANALYTICS_QUERIES, EventClock, ensure_analytics_tables
 
     require_writable(settings, "lake", "checkpoints", "home")
+    import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
     ensure_topic(settings)
     spark = spark_session(settings, "iotmon-stream")
     ensure_archive_tables(spark, settings)
