@@ -337,6 +337,9 @@ class ChaosRun:
             f"chaos: broker {settings.kafka_bootstrap}, simulator {options.devices} devices at {options.rate:g} "
             f"events/s (pid {simulator.pid}), logs in {self.logs}"
         )
+        from ml.registry import import_mlflow
+
+        import_mlflow()  # before the trainer thread: both threads use MLflow, whose first import is not thread-safe
         self.trainer_thread = threading.Thread(target=self._trainer_chaos, name="chaos-trainer", daemon=True)
         self.trainer_thread.start()
 

@@ -50,6 +50,7 @@ from iotmon.schema import (
     TOO_LATE,
 )
 from iotmon.status import stream_process
+from ml.registry import import_mlflow
 from streaming.windows import SLIDING
 
 ANOMALY_ROWS = 50
@@ -493,6 +494,9 @@ def _progress_figure(series: pd.DataFrame) -> go.Figure:
 
 
 def create_app(settings: Settings, reader: LakeReader | None = None) -> Dash:
+    # The model history reads MLflow from the server's request threads, which may run at once: MLflow's first
+    # import is not thread-safe, so it is made here, before any server starts (``ml.registry.import_mlflow``).
+    import_mlflow()
     views = Views(settings, reader or LakeReader(settings))
     app = Dash(__name__, title="iotmon dashboard", update_title=None)
     app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + CSS + "</style>")

@@ -1,7 +1,8 @@
 """The model history from MLflow's registry: registered versions, their runs' metrics and the champion.
 
-MLflow is imported only when the page first asks (it takes seconds), and a local registry that does not
-exist yet is not created by looking at it: no database file means no models yet.
+MLflow is imported once, when the app is built (``dashboard.app.create_app``), not by the first request thread
+that asks; a local registry that does not exist yet is not created by looking at it: no database file means no
+models yet.
 """
 
 from __future__ import annotations

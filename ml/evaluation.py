@@ -9,20 +9,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from iotmon.schema import ANOMALY_TYPES, DEVICE_ID, EVENT_TIME, SEQ
+from simulators.truth import read_truth
 
 LABEL = "anomaly_type"
 """Null for a normal reading."""
 
 
 def truth_labels(spark: SparkSession, files: list[Path]) -> DataFrame:
-    """The anomaly type of every delivered, well-formed reading in the truth files (one row per reading)."""
-    truth = spark.read.parquet(*[str(path.absolute()) for path in files])
-    delivered = truth.where(F.col("delivered") & F.col("malformed_kind").isNull() & ~F.col("is_duplicate"))
-    return delivered.select(DEVICE_ID, SEQ, F.col(EVENT_TIME).cast("timestamp").alias(EVENT_TIME), LABEL)
+    """The anomaly type of every delivered, well-formed reading in the truth files (one row per reading).
+
+    Read here, whole (``read_truth``), not when an evaluation first needs them: the files may be the live parts of
+    a running simulation, which are gone once it finishes, and the challenger and the champion are compared on
+    the same labels.
+    """
+    delivered = pc.field("delivered") & pc.field("malformed_kind").is_null() & ~pc.field("is_duplicate")
+    labels = spark.createDataFrame(read_truth(files, [DEVICE_ID, SEQ, EVENT_TIME, LABEL], where=delivered))
+    return labels.select(DEVICE_ID, SEQ, F.col(EVENT_TIME).cast("timestamp").alias(EVENT_TIME), LABEL)
 
 
 def label_scores(scores: DataFrame, labels: DataFrame) -> DataFrame:

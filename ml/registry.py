@@ -10,6 +10,7 @@ model.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import threading
@@ -32,6 +33,21 @@ DECISION_TAG = "decision"
 """Tags of a trainer's run: whether it moved the champion alias (``True``/``False``), and why (not)."""
 
 _setup_lock = threading.Lock()
+
+MLFLOW_MODULES = ("mlflow", "mlflow.exceptions", "mlflow.spark")
+"""Every MLflow module the project imports (``tests/unit/test_registry.py`` keeps the list complete)."""
+
+
+def import_mlflow() -> None:
+    """Import MLflow now, in this thread: call it in the main thread before starting threads that may use MLflow.
+
+    MLflow's first import is not thread-safe: its modules import each other in a circle, so two threads importing
+    them at once deadlock, and Python breaks the deadlock by failing an import or handing out a half-initialised
+    module (``Couldn't build proto file into descriptor pool: Depends on file 'databricks.proto'``, ``partially
+    initialized module 'mlflow'``), which stays broken for the process. Once imported, imports only look it up.
+    """
+    for name in MLFLOW_MODULES:
+        importlib.import_module(name)
 
 
 @dataclass(frozen=True)

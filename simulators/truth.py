@@ -4,6 +4,10 @@ Later stages are checked against it (was every very-late reading dropped, every 
 malformed payload quarantined, every anomaly found?), so a row names its Kafka coordinates as well.
 Rows are written in row groups while the run goes on; the file appears under its final name only when
 complete (a crashed run leaves ``<name>.partial``).
+
+A real-time run also publishes its rows so far as live parts, which other processes (the periodic trainer)
+read while the run goes on, and which vanish when it finishes. ``available_truth`` lists and ``read_truth``
+reads through that: every reader of truth that another process may be writing goes through them.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from iotmon.schema import ANOMALY_TYPES, LATE_KINDS, MALFORMED_KINDS, METRIC_NAMES
@@ -100,15 +106,90 @@ def truth_table(
     return pa.Table.from_arrays(columns, schema=TRUTH_SCHEMA)
 
 
+LIVE_SUFFIX = ".live"
+READ_ATTEMPTS = 3
+"""How often ``read_truth`` lists and reads again when a file it listed vanished while it read (a run finished)."""
+
+
 def live_parts(path: Path) -> Path:
     """Where a running simulation publishes its truth so far (complete files), beside ``path``."""
-    return path.with_name(path.name + ".live")
+    return path.with_name(path.name + LIVE_SUFFIX)
+
+
+def _is_live_part(path: Path) -> bool:
+    return path.parent.name.endswith(".parquet" + LIVE_SUFFIX)
+
+
+def _listed_parts(folder: Path) -> list[Path]:
+    """The complete parts in a live folder now; none once its run has removed it."""
+    try:
+        return sorted(part for part in folder.iterdir() if part.name.startswith("part-") and part.suffix == ".parquet")
+    except FileNotFoundError:
+        return []
+
+
+def _run_truth(path: Path) -> list[Path]:
+    """The truth of the run that finishes as ``path``, as it is now: its live parts until the finished file is in
+    place, then that file alone (it holds every row of the parts, which ``TruthWriter.close`` removes only after).
+
+    The parts are listed before the finished file is looked for, so a run that finishes in between is seen
+    finished, never with neither. A finished file older than the parts is an earlier run of the same name, which
+    this one replaces when it finishes: until then, both are its truth.
+    """
+    parts = _listed_parts(live_parts(path))
+    try:
+        finished = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return parts
+    try:
+        newest_part = max((part.stat().st_mtime_ns for part in parts), default=None)
+    except FileNotFoundError:  # the parts are being removed: the run has finished
+        return [path]
+    return [path] if newest_part is None or finished >= newest_part else [path, *parts]
 
 
 def available_truth(folder: Path) -> list[Path]:
-    """Every finished truth file in ``folder``, plus the live parts of runs still going."""
-    finished = sorted(folder.glob("*.parquet"))
-    return finished + sorted(folder.glob("*.parquet.live/part-*.parquet"))
+    """Every finished truth file in ``folder``, plus the live parts of runs still going: each run once, as it is
+    at the moment it is listed (a run that finishes meanwhile is listed by its finished file, not both)."""
+    runs = {live.name.removesuffix(LIVE_SUFFIX) for live in folder.glob("*.parquet" + LIVE_SUFFIX)}
+    runs |= {finished.name for finished in folder.glob("*.parquet")}
+    return [path for run in sorted(runs) for path in _run_truth(folder / run)]
+
+
+def current_truth(files: Iterable[Path]) -> list[Path]:
+    """``files`` (finished truth files and live parts, as ``available_truth`` listed them a while ago) as they are
+    now: a run's live parts listed again, or its finished file once the run has finished."""
+    current: dict[Path, None] = {}
+    for path in files:
+        if _is_live_part(path):
+            run = path.parent.with_name(path.parent.name.removesuffix(LIVE_SUFFIX))
+            current.update(dict.fromkeys(_run_truth(run)))
+        else:
+            current[path] = None
+    return list(current)
+
+
+def read_truth(
+    files: Sequence[Path], columns: Sequence[str] | None = None, where: pc.Expression | None = None
+) -> pa.Table:
+    """The rows of ``files`` (``current_truth``), read now and whole, so no later step reads a file that is gone.
+
+    A running simulation removes its live parts when it finishes, possibly between the listing and the read:
+    then the files are listed again (the finished file is in place by then) and read again. Only rows matching
+    ``where`` (a ``pyarrow.compute`` expression) are kept, with ``columns`` (all when None).
+    """
+    schema = TRUTH_SCHEMA if columns is None else pa.schema([TRUTH_SCHEMA.field(name) for name in columns])
+    attempt = 0
+    while True:
+        attempt += 1
+        listed = current_truth(files)
+        try:
+            tables = [pq.read_table(path, columns=columns, filters=where) for path in listed]
+        except OSError:
+            if attempt >= READ_ATTEMPTS or all(path.exists() for path in listed):
+                raise
+            continue
+        return pa.concat_tables(tables).select(schema.names) if tables else schema.empty_table()
 
 
 class TruthWriter:
@@ -123,6 +204,8 @@ class TruthWriter:
         self.path = path
         self.partial = path.with_name(path.name + ".partial")
         path.parent.mkdir(parents=True, exist_ok=True)
+        # Parts an earlier run of this name left (it crashed) would be read as this run's: they are numbered alike.
+        shutil.rmtree(live_parts(path), ignore_errors=True)
         self._writer = pq.ParquetWriter(self.partial, TRUTH_SCHEMA, compression="zstd")
         self._buffer: list[pa.Table] = []
         self._buffered = 0
@@ -160,7 +243,8 @@ class TruthWriter:
         self._buffer, self._buffered = [], 0
 
     def close(self) -> Path:
-        """Write what is buffered, close the file and give it its final name."""
+        """Write what is buffered, close the file and give it its final name, then remove the live parts: in this
+        order, a reader always finds every row in one or the other (see ``available_truth``)."""
         self._flush()
         self._writer.close()
         os.replace(self.partial, self.path)

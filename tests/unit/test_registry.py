@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -9,9 +10,40 @@ from pathlib import Path
 
 from iotmon.config import Settings
 from ml import registry
-from tests.support import cli_env, wait_for
+from tests.support import PROJECT_ROOT, cli_env, wait_for
 
 OPEN_REGISTRY = "from iotmon.config import Settings; from ml import registry; registry.tracking(Settings.from_env())"
+CONCURRENT_IMPORTS = """
+import sys, threading
+from ml.registry import MLFLOW_MODULES, import_mlflow
+assert not [name for name in sys.modules if name.partition(".")[0] == "mlflow"], "MLflow imported already"
+import_mlflow()
+assert set(MLFLOW_MODULES) <= set(sys.modules)
+# What the project's threads do first, each twice, all at once (the chaos run's trainer and stream threads).
+statements = [
+    "from mlflow.exceptions import MlflowException",
+    "from mlflow import MlflowClient",
+    "import mlflow.spark",
+    "import mlflow; mlflow.set_tracking_uri",
+] * 2
+start = threading.Barrier(len(statements))
+failures = []
+
+def run(statement):
+    start.wait()
+    try:
+        exec(statement, {})
+    except BaseException as exc:
+        failures.append(f"{statement}: {exc!r}")
+
+threads = [threading.Thread(target=run, args=(statement,)) for statement in statements]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("\\n".join(failures))
+sys.exit(1 if failures else 0)
+"""
 
 
 def _settings(home: Path) -> Settings:
@@ -40,3 +72,21 @@ def test_processes_starting_together_share_one_store(tmp_path: Path) -> None:
     assert [opener.wait(180) for opener in openers] == [0, 0, 0]
     assert registry.tracking(settings).search_experiments()
     assert [path.name for path in settings.mlflow_home.iterdir()] == ["mlflow.db"]
+
+
+def test_threads_importing_mlflow_at_once_succeed_after_the_early_import() -> None:
+    """In a process of its own, so that the threads' imports would be the first ones without ``import_mlflow``."""
+    run = subprocess.run(
+        [sys.executable, "-c", CONCURRENT_IMPORTS], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_early_import_covers_every_mlflow_module_the_code_imports() -> None:
+    imports = re.compile(r"^\s*(?:from\s+(mlflow[\w.]*)\s+import|import\s+(mlflow[\w.]*))", re.M)
+    used = set()
+    for package in PROJECT_ROOT.glob("*/__init__.py"):
+        if package.parent.name != "tests":
+            for source in package.parent.rglob("*.py"):
+                used |= {module or imported for module, imported in imports.findall(source.read_text())}
+    assert used == set(registry.MLFLOW_MODULES)
