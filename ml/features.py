@@ -211,9 +211,14 @@ def metric_rows(featured: DataFrame, keep: tuple[str, ...] = ()) -> DataFrame:
     )
 
 
+def model_input(feature: Column) -> Column:
+    """A feature as the model sees it: its magnitude, log-compressed so that no single extreme dominates."""
+    return F.log1p(F.abs(feature))
+
+
 def model_inputs(rows: DataFrame) -> DataFrame:
-    """The features as the model sees them: magnitudes, log-compressed so that no single extreme dominates."""
-    return rows.select("*", *[F.log1p(F.abs(F.col(c))).alias(f"x_{c}") for c in FEATURE_COLUMNS])
+    """Per (reading, metric) row, the model's inputs (``MODEL_INPUT_COLUMNS``)."""
+    return rows.select("*", *[model_input(F.col(c)).alias(f"x_{c}") for c in FEATURE_COLUMNS])
 
 
 MODEL_INPUT_COLUMNS: tuple[str, ...] = tuple(f"x_{c}" for c in FEATURE_COLUMNS)

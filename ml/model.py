@@ -1,7 +1,7 @@
 """The anomaly model: an MLlib pipeline over the shared features, and how it turns features into scores.
 
 Unsupervised, because a fleet in production has no labels. Each (reading, metric) row of
-``ml.features`` becomes a vector of log-compressed feature magnitudes; ``StandardScaler`` puts them on
+``ml.features`` becomes a vector of log-compressed feature magnitudes; ``RobustScaler`` puts them on
 one scale and ``KMeans`` learns the few shapes normal behaviour takes (a quiet sensor, a noisy one, a
 slow trend). A row's score is its largest standardised deviation from the nearest of those centres, and
 a reading's score is that of its most anomalous metric (``top_metric``). The decision threshold is the
@@ -9,7 +9,9 @@ score quantile that flags ``contamination`` of the training readings: the expect
 the one assumption an unsupervised detector cannot avoid, and a setting.
 
 The fitted pipeline is what MLflow stores; ``anomaly_scores`` applies it identically in the trainer
-(threshold, evaluation) and the streaming scorer.
+(threshold, evaluation) and the streaming scorer, as column arithmetic on its fitted numbers
+(``ScoringRule``): the pipeline's own transform needs a row per metric and a regrouping per reading, which
+cost the scorer most of its time (docs/cost-model.md).
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ from dataclasses import dataclass
 
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.clustering import KMeans, KMeansModel
-from pyspark.ml.feature import RobustScaler, VectorAssembler
-from pyspark.ml.functions import vector_to_array
-from pyspark.sql import DataFrame
+from pyspark.ml.feature import RobustScaler, RobustScalerModel, VectorAssembler
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from iotmon.schema import DEVICE_ID, EVENT_TIME, SEQ
-from ml.features import MODEL_INPUT_COLUMNS, FeatureSpec, metric_rows, model_inputs, reading_features
+from iotmon.schema import DEVICE_ID, EVENT_TIME, METRIC_NAMES, SEQ
+from ml.features import (
+    FEATURE_COLUMNS,
+    MODEL_INPUT_COLUMNS,
+    FeatureSpec,
+    metric_rows,
+    model_input,
+    model_inputs,
+    reading_features,
+)
 
 _VECTOR, _SCALED, _CLUSTER = "_features", "_scaled", "_cluster"
 
@@ -61,15 +70,63 @@ def training_rows(readings: DataFrame, spec: FeatureSpec) -> DataFrame:
     return model_inputs(metric_rows(reading_features(readings, spec)))
 
 
+@dataclass(frozen=True)
+class ScoringRule:
+    """What a fitted pipeline does to one metric's features, as numbers: the scaler's centre and factor per
+    feature, and the KMeans centres. Scoring with them is plain column arithmetic, so a reading's five
+    metrics are scored side by side in one projection: no row per metric, no vectors, no regrouping."""
+
+    centre: tuple[float, ...]
+    factor: tuple[float, ...]
+    """1 / the scaler's quantile range (0 where the range is 0, as Spark's scaler does)."""
+    clusters: tuple[tuple[float, ...], ...]
+
+    @classmethod
+    def of(cls, model: PipelineModel) -> ScoringRule:
+        scaler: RobustScalerModel = model.stages[1]
+        kmeans: KMeansModel = model.stages[-1]
+        centre = scaler.median.toArray() if scaler.getWithCentering() else [0.0] * len(MODEL_INPUT_COLUMNS)
+        ranges = scaler.range.toArray() if scaler.getWithScaling() else [1.0] * len(MODEL_INPUT_COLUMNS)
+        return cls(
+            tuple(float(c) for c in centre),
+            tuple(1.0 / float(r) if r != 0 else 0.0 for r in ranges),
+            tuple(tuple(float(x) for x in cluster) for cluster in kmeans.clusterCenters()),
+        )
+
+    def metric_score(self, features: Column) -> Column:
+        """The score of one metric's feature struct (``f_<metric>``): its largest scaled deviation from the
+        nearest cluster centre."""
+        scaled = [
+            (model_input(features[name]) - F.lit(centre)) * F.lit(factor)
+            for name, centre, factor in zip(FEATURE_COLUMNS, self.centre, self.factor, strict=True)
+        ]
+        distances = [
+            sum(((x - F.lit(c)) * (x - F.lit(c)) for x, c in zip(scaled, cluster, strict=True)), F.lit(0.0))
+            for cluster in self.clusters
+        ]
+        deviations = [
+            F.greatest(*[F.abs(x - F.lit(c)) for x, c in zip(scaled, cluster, strict=True)])
+            for cluster in self.clusters
+        ]
+        score, nearest = deviations[0], distances[0]
+        for distance, deviation in zip(distances[1:], deviations[1:], strict=True):
+            score = F.when(distance < nearest, deviation).otherwise(score)
+            nearest = F.least(nearest, distance)
+        return score
+
+
 def anomaly_scores(featured: DataFrame, model: PipelineModel, keep: tuple[str, ...] = ()) -> DataFrame:
     """One row per reading of ``featured`` (the output of ``reading_features``): its key, ``keep`` columns,
-    ``score`` and ``top_metric``. Native Spark expressions only: no Python in the scoring path."""
-    kmeans: KMeansModel = model.stages[-1]
-    centres = F.array(*[F.array(*[F.lit(float(x)) for x in centre]) for centre in kmeans.clusterCenters()])
-    rows = model.transform(model_inputs(metric_rows(featured, keep)))
-    centre = F.element_at(centres, F.col(_CLUSTER) + 1)
-    deviation = F.array_max(F.zip_with(vector_to_array(_SCALED), centre, lambda x, c: F.abs(x - c)))
-    scored = rows.select(DEVICE_ID, SEQ, EVENT_TIME, *keep, "metric", deviation.alias("score"))
-    return scored.groupBy(DEVICE_ID, SEQ, EVENT_TIME, *keep).agg(
-        F.max("score").alias("score"), F.max_by("metric", "score").alias("top_metric")
+    ``score`` (its most anomalous metric's) and ``top_metric`` (that metric; the first of equals). Native Spark
+    expressions only, the same in the trainer and the streaming scorer."""
+    rule = ScoringRule.of(model)
+    per_metric = featured.select(
+        DEVICE_ID, SEQ, EVENT_TIME, *keep, *[rule.metric_score(F.col(f"f_{m}")).alias(f"_s_{m}") for m in METRIC_NAMES]
+    )
+    score = F.greatest(*[F.col(f"_s_{m}") for m in METRIC_NAMES])
+    top = F.lit(None).cast("string")
+    for m in reversed(METRIC_NAMES):
+        top = F.when(F.col(f"_s_{m}") == F.col("score"), F.lit(m)).otherwise(top)
+    return per_metric.withColumn("score", score).select(
+        DEVICE_ID, SEQ, EVENT_TIME, *keep, "score", top.alias("top_metric")
     )
