@@ -60,9 +60,6 @@ BRONZE_VERSION = "iotmon.bronzeVersion"
 late-arrivals query starting from a new checkpoint begins right after it."""
 FIRST_SEEN = "_first_seen"
 """Marks the rows of a silver batch that are reading keys seen for the first time, not records."""
-MAX_FILES_PER_TRIGGER = 1_000_000
-"""Bronze files a downstream batch may read: all there are. Delta's default (1,000) would split a backlog
-into batches whose watermark could overtake the readings of the next."""
 BatchWriter = Callable[[DataFrame, int], None]
 
 
@@ -184,7 +181,7 @@ class SilverWriter:
 
 def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:
     """Bronze as a stream, for a query starting from a new checkpoint right after what a backfill read."""
-    reader = spark.readStream.format("delta").option("maxFilesPerTrigger", MAX_FILES_PER_TRIGGER)
+    reader = spark.readStream.format("delta")
     backfilled = table_property(spark, settings.table_path(SILVER), BRONZE_VERSION)
     if backfilled is not None:  # only honoured by a new checkpoint, which is when it applies
         reader = reader.option("startingVersion", int(backfilled) + 1)

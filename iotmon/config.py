@@ -285,6 +285,13 @@ class Settings:
         _parse_positive_interval,
         "Silence (event time) after which a device counts as offline.",
     )
+    status_lateness: str = _setting(
+        "STATUS_LATENESS",
+        "5 seconds",
+        _parse_interval,
+        "How late a reading may reach Kafka and still count for device status; offline is declared this long "
+        "after OFFLINE_AFTER of silence.",
+    )
     low_battery: float = _setting(
         "LOW_BATTERY", 15.0, _parse_percentage, "Battery percentage below which a reporting device counts as degraded."
     )

@@ -220,6 +220,7 @@ ANOMALIES_SCHEMA = StructType(
         StructField("site", StringType()),
         StructField("partition", IntegerType()),
         StructField("offset", LongType()),
+        StructField(LATENESS, StringType()),
         StructField("score", DoubleType()),
         StructField("threshold", DoubleType()),
         StructField("is_anomaly", BooleanType()),
@@ -228,7 +229,7 @@ ANOMALIES_SCHEMA = StructType(
         StructField("model_version", IntegerType()),
     ]
 )
-"""One row per scored silver reading (the reading's key and Kafka coordinates), anomalous or not:
+"""One row per scored silver reading (the reading's key, Kafka coordinates and lateness), anomalous or not:
 ``top_metric`` is the metric whose features stand out most, ``model_version`` the registered version used."""
 
 ALERTS_SCHEMA = StructType(

@@ -16,8 +16,8 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
     from iotmon.queries import run_continuously, run_until_idle
     from iotmon.spark import spark_session
     from ml.registry import import_mlflow
+    from pipeline.clock import EventClock
     from pipeline.topology import ensure_tables, queries, trigger_of
-    from streaming.jobs import EventClock
 
     require_writable(settings, "lake", "checkpoints", "home")
     import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads

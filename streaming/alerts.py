@@ -13,12 +13,15 @@ Rules, all in event time so that a replayed micro-batch writes exactly what it w
   watermark reaches it, the incident becomes ``cleared`` with ``cleared_at`` = that deadline, never a
   wall-clock time. Spark hands a batch's rows to the operator before it fires the batch's timers, and a
   backlog comes in one batch, so an anomalous reading at or after the deadline also clears the incident
-  (at the deadline) and opens a new one: a device's rows are applied in ``(event_time, seq)`` order and
-  give the same incidents however they are batched.
+  (at the deadline) and opens a new one: a device's rows are applied in the order they reached Kafka
+  (``partition``, ``offset``) and give the same incidents however they are batched, which is what lets
+  ``iotmon verify`` recompute them from ``anomalies`` (``alert_history``).
 * An anomalous reading older than the deadline of the device's latest incident is counted into it
   (``anomalies``, ``max_score``) even when it is older than ``opened_at``; it never moves ``opened_at``, and
   moves ``last_anomaly_at`` only forwards and only while the incident is open, so ``cleared_at`` stays
-  ``last_anomaly_at + clear_after``. Readings behind the watermark are dropped by Spark before this.
+  ``last_anomaly_at + clear_after``.
+* Only readings that reached Kafka within the watermark count (``lateness`` not ``too_late``): a later one
+  is scored and kept in ``anomalies``, but an incident is news, and it would be behind the watermark anyway.
 * Times have millisecond precision (the operator speaks epoch milliseconds, as readings' times do).
 
 Only anomalous readings reach the operator (Python), but the watermark is taken over every scored reading
@@ -38,11 +41,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import pandas as pd
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle, StreamingQuery
 from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValues
-from pyspark.sql.types import DoubleType, IntegerType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import BooleanType, DoubleType, IntegerType, LongType, StringType, StructField, StructType
 
 from iotmon.config import Settings, interval_seconds
 from iotmon.lake import BatchLedger, create_table, merge_once
@@ -54,12 +57,13 @@ from iotmon.schema import (
     CLEARED,
     DEVICE_ID,
     EVENT_TIME,
+    LATENESS,
     OPEN,
     SEQ,
-    STREAM_CLOCK,
+    TOO_LATE,
 )
 from streaming.scoring import ensure_anomalies_table
-from streaming.sources import delta_stream, ensure_clock_table
+from streaming.sources import ensure_clock_table, with_ticks
 
 SCORES = "scores"
 """Name of the observed metric: the batch's scored ``readings``, how many were ``anomalous``, and ``ticks``."""
@@ -96,7 +100,21 @@ _STATE_SCHEMA = StructType(
     ]
 )
 
-_INPUT_COLUMNS = (DEVICE_ID, EVENT_TIME, "event_ms", SEQ, "score", "top_metric", "model_version", "device_type", "site")
+_INPUT_COLUMNS = (
+    DEVICE_ID,
+    EVENT_TIME,
+    "event_ms",
+    SEQ,
+    "score",
+    "top_metric",
+    "model_version",
+    "device_type",
+    "site",
+    "partition",
+    "offset",
+)
+ARRIVAL_ORDER: tuple[str, ...] = ("partition", "offset")
+"""The order readings reached Kafka in; a device's readings are all in one partition (keyed by device)."""
 
 
 # -- The rules, plain Python ------------------------------------------------------------------------------
@@ -201,7 +219,7 @@ def advance(device_id: str, latest: Incident | None, anomalies: Iterable[Anomaly
     """
     version = latest.version if latest is not None else 0
     changed: dict[str, Incident] = {}
-    for anomaly in sorted(anomalies, key=_order):
+    for anomaly in anomalies:
         if latest is None or anomaly.event_ms >= deadline(latest, rules):
             if latest is not None and latest.status == OPEN:
                 changed[latest.alert_id] = clear(latest, rules)
@@ -211,10 +229,6 @@ def advance(device_id: str, latest: Incident | None, anomalies: Iterable[Anomaly
         # An incident once replaced is never changed again, so the current one is always the last key.
         changed[latest.alert_id] = latest
     return [replace(incident, version=version + n) for n, incident in enumerate(changed.values(), 1)]
-
-
-def _order(anomaly: Anomaly) -> tuple[int, int]:
-    return anomaly.event_ms, anomaly.seq if anomaly.seq is not None else -1
 
 
 # -- The operator ---------------------------------------------------------------------------------------
@@ -257,9 +271,10 @@ def _optional(value: object) -> object:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA else value
 
 
-def _anomalies(frames: Iterator[pd.DataFrame]) -> list[Anomaly]:
+def _anomalies(frames: Iterable[pd.DataFrame]) -> list[Anomaly]:
+    """A device's anomalous readings in the order they reached Kafka."""
     anomalies = []
-    for frame in frames:
+    for frame in [pd.concat(frames).sort_values(list(ARRIVAL_ORDER), kind="stable")]:
         for row in frame.itertuples(index=False):
             seq, score, version = _optional(row.seq), _optional(row.score), _optional(row.model_version)
             anomalies.append(
@@ -345,7 +360,7 @@ def alert_updates(scored: DataFrame, settings: Settings) -> DataFrame:
     operator_input = (
         # Every row moves the watermark; the filter above the observation keeps only what the rules need.
         observe_scores(scored.withWatermark(EVENT_TIME, settings.watermark))
-        .where(F.col("is_anomaly") & F.col(DEVICE_ID).isNotNull())
+        .where(counted(F.col("is_anomaly") & F.col(DEVICE_ID).isNotNull()))
         .withColumn("event_ms", F.unix_millis(EVENT_TIME))
         .select(*_INPUT_COLUMNS)
     )
@@ -355,12 +370,72 @@ def alert_updates(scored: DataFrame, settings: Settings) -> DataFrame:
         outputMode="Update",
         timeMode="EventTime",
     )
+    return _with_timestamps(updates)
+
+
+def counted(anomalous: Column) -> Column:
+    """The rows incidents are made of: anomalous readings that reached Kafka within the watermark."""
+    return anomalous & (F.col(LATENESS) != TOO_LATE)
+
+
+def _with_timestamps(updates: DataFrame, *kept: str) -> DataFrame:
+    """Operator rows (epoch milliseconds) as ``ALERT_UPDATE_SCHEMA`` rows."""
     return updates.select(
         *[
             F.timestamp_millis(f"{f.name.removesuffix('_at')}_ms").alias(f.name) if f.name in _TIMES else F.col(f.name)
             for f in ALERT_UPDATE_SCHEMA.fields
-        ]
+        ],
+        *kept,
     )
+
+
+CLEAR_UNSETTLED = "unsettled"
+"""Column of ``alert_history``: the update is a clearing the stream may or may not have made yet."""
+
+
+def alert_history(
+    scored: DataFrame, settings: Settings, settled: dt.datetime | None, reached: dt.datetime | None
+) -> DataFrame:
+    """What the alerts query emits over all of ``scored`` (``anomalies``, a batch frame), in one pass.
+
+    The same rules on the same readings in the same (arrival) order, so the incidents are those of the
+    stream however it was batched. A device's last open incident is cleared only where the stream's
+    watermark reached its deadline: surely by ``settled`` (the watermark its last batch started with),
+    perhaps by ``reached`` (the one it ended with; ``CLEAR_UNSETTLED`` marks those).
+    """
+    rules = AlertRules.from_settings(settings)
+    settled_ms, reached_ms = (_epoch_ms(t) for t in (settled, reached))
+    schema = StructType([*_OPERATOR_OUTPUT.fields, StructField(CLEAR_UNSETTLED, BooleanType())])
+
+    def device(frame: pd.DataFrame) -> pd.DataFrame:
+        device_id = frame[DEVICE_ID].iloc[0]
+        incidents = advance(device_id, None, _anomalies([frame]), rules)
+        latest = incidents[-1] if incidents else None
+        unsettled = False
+        if (
+            latest is not None
+            and latest.status == OPEN
+            and reached_ms is not None
+            and deadline(latest, rules) <= reached_ms
+        ):
+            incidents.append(clear(latest, rules))
+            unsettled = settled_ms is None or deadline(latest, rules) > settled_ms
+        rows = _frame(device_id, incidents)
+        return rows.assign(**{CLEAR_UNSETTLED: [False] * (len(rows) - 1) + [unsettled]} if len(rows) else {})
+
+    history = (
+        scored.where(counted(F.col("is_anomaly")))
+        .withColumn("event_ms", F.unix_millis(EVENT_TIME))
+        .select(*_INPUT_COLUMNS)
+        .groupBy(DEVICE_ID)
+        .applyInPandas(device, schema)
+    )
+    return _with_timestamps(history, CLEAR_UNSETTLED)
+
+
+def _epoch_ms(moment: dt.datetime | None) -> int | None:
+    """A naive UTC time (as Spark returns them) in epoch milliseconds."""
+    return round(moment.replace(tzinfo=dt.UTC).timestamp() * 1000) if moment is not None else None
 
 
 def latest_alerts(updates: DataFrame) -> DataFrame:
@@ -387,9 +462,8 @@ def ensure_alerts_table(spark: SparkSession, settings: Settings) -> None:
 
 
 def scores_and_ticks(spark: SparkSession, settings: Settings) -> DataFrame:
-    """The scored readings plus the clock's ticks (null ``device_id``), not yet watermarked."""
-    ticks = delta_stream(spark, settings, STREAM_CLOCK)
-    return delta_stream(spark, settings, ANOMALIES).unionByName(ticks, allowMissingColumns=True)
+    """The scored readings plus the clock's ticks that follow them (null ``device_id``), not yet watermarked."""
+    return with_ticks(spark, settings, ANOMALIES)
 
 
 def alerts_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:

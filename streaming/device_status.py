@@ -11,12 +11,17 @@ Rules, all in event time so that a replayed micro-batch writes exactly what it w
   batch's rows to the operator before it fires the batch's timers, and a backlog comes in one batch) is
   preceded by the same offline change, so readings in order give the same changes however they are batched.
 * The next reading brings an offline device back (online or degraded) with ``changed_at`` = its event time.
-* A device's rows are applied in ``(event_time, seq)`` order and every transition is emitted, so
-  online -> degraded -> online within one batch gives two change rows. A device's first reading is a
-  change from ``previous_status`` null. Only a change of *status* is a change; a degraded device whose
-  reason changes (battery -> out of range) keeps its ``since`` and gets the new reason in ``device_status``.
+* Status is about now: a reading counts only if it reached Kafka within ``IOTMON_STATUS_LATENESS`` of its
+  event time (``arrival_delay_s``), which is also the query's watermark delay, so a silent device is
+  declared offline that long after its deadline rather than a whole ``IOTMON_WATERMARK`` later. Later
+  readings are in silver and the windows, not here.
+* A device's readings are applied in the order they reached Kafka (``partition``, ``offset``) and every
+  transition is emitted, so online -> degraded -> online within one batch gives two change rows. A device's
+  first reading is a change from ``previous_status`` null. Only a change of *status* is a change; a degraded
+  device whose reason changes (battery -> out of range) keeps its ``since`` and gets the new reason.
 * A reading older than the device's latest one (out of order) changes nothing: it cannot move ``last_seen``
-  backwards nor rewrite a past status. Readings behind the watermark are dropped by Spark before this.
+  backwards nor rewrite a past status. Applied in arrival order, readings give the same changes however
+  they are batched, which is what lets ``iotmon verify`` recompute them from silver (``status_history``).
 
 The operator emits *status updates*: each change, plus one snapshot row per device and batch whose last
 reading changed nothing (so ``device_status.last_seen`` stays current). ``version`` counts a device's
@@ -30,7 +35,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 
+import numpy as np
 import pandas as pd
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -128,7 +135,20 @@ _STATE_SCHEMA = StructType(
     ]
 )
 
-_INPUT_COLUMNS = (DEVICE_ID, EVENT_TIME, "event_ms", SEQ, "battery", "out_of_range", "device_type", "site")
+_INPUT_COLUMNS = (
+    DEVICE_ID,
+    EVENT_TIME,
+    "event_ms",
+    SEQ,
+    "battery",
+    "out_of_range",
+    "device_type",
+    "site",
+    "partition",
+    "offset",
+)
+ARRIVAL_ORDER: tuple[str, ...] = ("partition", "offset")
+"""The order readings reached Kafka in; a device's readings are all in one partition (keyed by device)."""
 
 
 # -- The rules, plain Python ------------------------------------------------------------------------------
@@ -152,6 +172,9 @@ class Reading:
     out_of_range: str | None
     device_type: str | None = None
     site: str | None = None
+    follows_ms: int | None = None
+    """The event time of the device's reading just before this one when readings in between were left out
+    (``significant_readings``); else the state's ``last_seen`` is that reading."""
 
 
 @dataclass(frozen=True)
@@ -215,18 +238,20 @@ def is_stale(state: DeviceState | None, reading: Reading) -> bool:
 
 
 def advance(state: DeviceState | None, readings: Iterable[Reading], rules: StatusRules) -> list[Update]:
-    """Apply one batch of a device's readings; return the updates to emit, the last one being the new state.
+    """Apply one batch of a device's readings, in the order they reached Kafka; return the updates to emit,
+    the last one being the new state.
 
     Every status change is an update; if readings after the last change moved ``last_seen`` on, a final
     snapshot (``changed=False``) carries them. An empty list means the state is unchanged.
     """
     updates: list[Update] = []
     pending = False  # the state moved on since the last update
-    for reading in sorted(readings, key=_order):
+    for reading in readings:
         if is_stale(state, reading):
             continue
         if state is not None and state.status != OFFLINE:
-            deadline = state.last_seen_ms + rules.offline_after_ms
+            follows = reading.follows_ms if reading.follows_ms is not None else state.last_seen_ms
+            deadline = follows + rules.offline_after_ms
             if reading.event_ms >= deadline:
                 updates.append(go_offline(state, deadline))
                 state = updates[-1].state
@@ -305,26 +330,60 @@ def _frame(device_id: str, updates: list[Update]) -> pd.DataFrame:
 
 
 def _optional(value: object) -> object:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+    return None if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)) else value
 
 
-def _readings(frames: Iterator[pd.DataFrame]) -> list[Reading]:
-    readings = []
-    for frame in frames:
-        for row in frame.itertuples(index=False):
-            seq = _optional(row.seq)
-            battery = _optional(row.battery)
-            readings.append(
-                Reading(
-                    event_ms=int(row.event_ms),
-                    seq=int(seq) if seq is not None else None,
-                    battery=float(battery) if battery is not None else None,
-                    out_of_range=_optional(row.out_of_range),
-                    device_type=_optional(row.device_type),
-                    site=_optional(row.site),
-                )
-            )
-    return readings
+def significant_readings(state: DeviceState | None, frame: pd.DataFrame, rules: StatusRules) -> list[Reading]:
+    """The readings of a batch that ``advance`` needs to emit what all of them would, in arrival order: the
+    first and the last of the newer ones, each whose status differs from the one before, and both sides of
+    every silence of ``offline_after``. Chosen with array operations, so that a batch's steady readings never
+    become Python objects: they would only have moved ``last_seen`` on, which the last reading does too."""
+    if frame.empty:
+        return []
+    frame = frame.sort_values(list(ARRIVAL_ORDER), kind="stable")
+    event_ms = frame["event_ms"].to_numpy(dtype=np.int64)
+    seq = frame[SEQ].astype("float64").fillna(-1).to_numpy(dtype=np.int64)
+    # Newer than every reading before it (in arrival order) and than the state: compared by rank of
+    # (event time, seq), so that a running maximum says it.
+    by_key = np.lexsort((seq, event_ms))
+    distinct = np.ones(len(frame), dtype=bool)
+    distinct[1:] = (np.diff(event_ms[by_key]) != 0) | (np.diff(seq[by_key]) != 0)
+    rank = np.empty(len(frame), dtype=np.int64)
+    rank[by_key] = np.cumsum(distinct)  # equal readings, equal rank
+    newer = np.ones(len(frame), dtype=bool)
+    newer[1:] = rank[1:] > np.maximum.accumulate(rank)[:-1]
+    if state is not None:
+        last = (state.last_seen_ms, state.seq if state.seq is not None else -1)
+        newer &= (event_ms > last[0]) | ((event_ms == last[0]) & (seq > last[1]))
+    rows = frame[newer]
+    if rows.empty:
+        return []
+    event_ms = event_ms[newer]
+    battery = rows["battery"].astype("float64").to_numpy()
+    out_of_range = rows["out_of_range"].fillna("").str.len().to_numpy() > 0
+    degraded = out_of_range | (battery < rules.low_battery)  # NaN compares False: no battery, no degradation
+    chosen = np.zeros(len(rows), dtype=bool)
+    chosen[0] = chosen[-1] = True
+    chosen[1:] |= degraded[1:] != degraded[:-1]
+    silence = np.zeros(len(rows), dtype=bool)
+    silence[1:] = event_ms[1:] >= event_ms[:-1] + rules.offline_after_ms
+    chosen |= silence
+    chosen[:-1] |= silence[1:]
+    registry = rows[["device_type", "site"]].ffill()
+    follows = np.concatenate(([-1], event_ms[:-1]))
+    picked = rows.assign(device_type=registry["device_type"], site=registry["site"], follows_ms=follows)[chosen]
+    return [
+        Reading(
+            event_ms=int(row.event_ms),
+            seq=int(row.seq) if _optional(row.seq) is not None else None,
+            battery=float(row.battery) if _optional(row.battery) is not None else None,
+            out_of_range=_optional(row.out_of_range),
+            device_type=_optional(row.device_type),
+            site=_optional(row.site),
+            follows_ms=int(row.follows_ms) if row.follows_ms >= 0 else None,
+        )
+        for row in picked.itertuples(index=False)
+    ]
 
 
 class DeviceStatusProcessor(StatefulProcessor):
@@ -344,7 +403,7 @@ class DeviceStatusProcessor(StatefulProcessor):
         self, key: tuple[str], rows: Iterator[pd.DataFrame], timerValues: TimerValues
     ) -> Iterator[pd.DataFrame]:
         state, timer_ms = _state_of(self._device.get())
-        updates = advance(state, _readings(rows), self._rules)
+        updates = advance(state, significant_readings(state, pd.concat(rows), self._rules), self._rules)
         if not updates:
             return
         state = updates[-1].state
@@ -383,8 +442,9 @@ def status_updates(readings: DataFrame, settings: Settings) -> DataFrame:
         _ = readings.sparkSession.streams
     rules = StatusRules.from_settings(settings)
     operator_input = (
-        observe_arrivals(readings.withWatermark(EVENT_TIME, settings.watermark))
+        observe_arrivals(readings.withWatermark(EVENT_TIME, settings.status_lateness))
         .where(F.col(DEVICE_ID).isNotNull())  # the event-time clock's ticks only move the watermark
+        .where(F.col("arrival_delay_s") <= interval_seconds(settings.status_lateness))
         .withColumn("event_ms", F.unix_millis(EVENT_TIME))
         .select(*_INPUT_COLUMNS)
     )
@@ -394,18 +454,70 @@ def status_updates(readings: DataFrame, settings: Settings) -> DataFrame:
         outputMode="Update",
         timeMode="EventTime",
     )
+    return _with_timestamps(updates)
+
+
+def _with_timestamps(updates: DataFrame, *kept: str) -> DataFrame:
+    """Operator rows (epoch milliseconds) as ``STATUS_UPDATE_SCHEMA`` rows."""
     return updates.select(
         *[
             F.timestamp_millis(f"{f.name}_ms").alias(f.name) if f.name in ("since", "last_seen") else F.col(f.name)
             for f in STATUS_UPDATE_SCHEMA.fields
-        ]
+        ],
+        *kept,
     )
 
 
-def changes_of(updates: DataFrame) -> DataFrame:
-    """The status transitions among ``updates``, shaped as ``DEVICE_STATUS_CHANGES_SCHEMA``."""
+def _epoch_ms(moment: datetime | None) -> int | None:
+    """A naive UTC time (as Spark returns them) in epoch milliseconds."""
+    return round(moment.replace(tzinfo=UTC).timestamp() * 1000) if moment is not None else None
+
+
+OFFLINE_UNSETTLED = "unsettled"
+"""Column of ``status_history``: the update is an offline change the stream may or may not have made yet."""
+
+
+def status_history(
+    readings: DataFrame, settings: Settings, settled: datetime | None, reached: datetime | None
+) -> DataFrame:
+    """What the status query emits over all of ``readings`` (silver, a batch frame), computed in one pass.
+
+    The same rules on the same readings in the same (arrival) order, so the changes are those of the stream
+    however it was batched. A device's last silence is closed by its offline change only where the
+    stream's watermark reached the deadline: surely by ``settled`` (the watermark its last batch started
+    with), perhaps by ``reached`` (the one it ended with; ``OFFLINE_UNSETTLED`` marks those).
+    """
+    rules = StatusRules.from_settings(settings)
+    settled_ms, reached_ms = (
+        round(t.replace(tzinfo=UTC).timestamp() * 1000) if t else None for t in (settled, reached)
+    )
+    schema = StructType([*_OPERATOR_OUTPUT.fields, StructField(OFFLINE_UNSETTLED, BooleanType())])
+
+    def device(frame: pd.DataFrame) -> pd.DataFrame:
+        updates = advance(None, significant_readings(None, frame, rules), rules)
+        unsettled = False
+        if updates and reached_ms is not None and updates[-1].state.status != OFFLINE:
+            deadline = updates[-1].state.last_seen_ms + rules.offline_after_ms
+            if deadline <= reached_ms:
+                updates.append(go_offline(updates[-1].state, deadline))
+                unsettled = settled_ms is None or deadline > settled_ms
+        rows = _frame(frame[DEVICE_ID].iloc[0], updates)
+        return rows.assign(**{OFFLINE_UNSETTLED: [False] * (len(rows) - 1) + [unsettled]} if len(rows) else {})
+
+    counted = readings.where(F.col("arrival_delay_s") <= interval_seconds(settings.status_lateness))
+    history = (
+        counted.withColumn("event_ms", F.unix_millis(EVENT_TIME))
+        .select(*_INPUT_COLUMNS)
+        .groupBy(DEVICE_ID)
+        .applyInPandas(device, schema)
+    )
+    return _with_timestamps(history, OFFLINE_UNSETTLED)
+
+
+def changes_of(updates: DataFrame, *kept: str) -> DataFrame:
+    """The status transitions among ``updates``, shaped as ``DEVICE_STATUS_CHANGES_SCHEMA`` (and ``kept``)."""
     return updates.where(F.col("changed")).select(
-        DEVICE_ID, "status", "previous_status", F.col("since").alias("changed_at"), "reason", "last_seen", SEQ
+        DEVICE_ID, "status", "previous_status", F.col("since").alias("changed_at"), "reason", "last_seen", SEQ, *kept
     )
 
 

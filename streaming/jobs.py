@@ -4,42 +4,47 @@ Every sink is exactly once across crashes. A micro-batch that is replayed after 
 same rows (no wall-clock values) and each write is tagged with the query's id and the batch id
 (``iotmon.lake.BatchLedger``), so a table that already holds the batch is skipped.
 
-Event time only moves with data, so when the whole fleet falls silent the last windows would wait for
-the next reading. ``EventClock`` ticks instead: after ``IOTMON_IDLE_TICK_AFTER`` of wall time without
-readings it appends ticks to the ``stream_clock`` table, advancing event time as fast as wall time from
-the last reading seen. The gold queries read the ticks with the readings, so their watermark, windows
-and offline timers keep moving; ticks are data in a Delta table, so a replayed batch sees the same ones.
+The gold queries read silver with the event-time clock's ticks (``pipeline.clock``), so their watermark,
+windows and offline timers keep moving while the fleet is silent.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
-import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import TextIO
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import BatchLedger, append_once, create_table, merge_once, table_property
-from iotmon.queries import QuerySpec, Trigger, explain
+from iotmon.lake import BatchLedger, append_once, create_table, merge_once, planned_watermark, table_property
+from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
+    DEVICE_ID,
     DEVICE_SESSIONS,
     DEVICE_WINDOWS,
     LIVE_WINDOWS,
     SILVER_SCHEMA,
     SITE_WINDOWS,
-    STREAM_CLOCK,
 )
 from streaming.alerts import ensure_alerts_table
 from streaming.device_status import ensure_device_status_tables
 from streaming.scoring import ensure_anomalies_table
-from streaming.sources import ARRIVALS, CLOCK_SCHEMA, ensure_clock_table, watermarked_readings
-from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
+from streaming.sources import ensure_clock_table, watermarked_readings
+from streaming.windows import (
+    END_COLUMN,
+    FINAL_TABLES,
+    SESSION_COLUMNS,
+    TUMBLING,
+    TUMBLING_COLUMNS,
+    WindowSpec,
+    device_sessions,
+    site_rollups,
+    sliding_device_windows,
+    tumbling_device_windows,
+    with_kinds,
+)
 
 FINAL_THROUGH = "iotmon.finalThrough"
 """Table property of ``device_windows`` set by ``iotmon backfill``: final rows up to this time are already
@@ -79,46 +84,82 @@ def final_through(spark: SparkSession, settings: Settings) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
 
 
-def write_final_batch(
-    settings: Settings, ledger: BatchLedger, after: datetime | None, columns: dict[str, list[str]]
-) -> BatchWriter:
-    """Split the tagged union into its tables; ``columns`` are each table's own."""
+class FinalWindowsWriter:
+    """The final windows query's ``foreachBatch``: the batch's tumbling windows and sessions, plus the sliding
+    windows and site roll-ups combined from tumbling windows (``streaming.windows``).
 
-    def write(batch: DataFrame, batch_id: int) -> None:
+    A batch emits the tumbling windows whose end its watermark passed (``planned_watermark``), so the sliding
+    windows due are those ending between the previous batch's watermark and this one's; their earlier
+    tumbling windows were written by earlier batches, and are read back from the table. All of a window's
+    devices come out together, so a site roll-up needs only the batch.
+    """
+
+    def __init__(self, settings: Settings, after: datetime | None) -> None:
+        self.settings, self.after = settings, after
+        self.spec = WindowSpec.from_settings(settings)
+        self.checkpoint = settings.checkpoint_path(DEVICE_WINDOWS)
+        self.ledger = BatchLedger(self.checkpoint)
+        self.sliding_s = interval_seconds(self.spec.sliding_window)
+
+    def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        spark = batch.sparkSession
         batch.persist()
         try:
-            for table in FINAL_TABLES:
-                rows = batch.where(F.col(_TABLE) == table).select(*columns[table])
-                if after is not None:
-                    rows = rows.where(F.col(END_COLUMN[table]) > F.lit(after))
-                if not rows.isEmpty():
-                    append_once(rows, settings.table_path(table), ledger, batch_id)
+            tumbling = batch.where(F.col(_TABLE) == TUMBLING).select(*TUMBLING_COLUMNS)
+            sessions = batch.where(F.col(_TABLE) == DEVICE_SESSIONS).select(*SESSION_COLUMNS)
+            sliding = self.sliding_due(spark, tumbling, batch_id)
+            rows = {
+                DEVICE_WINDOWS: with_kinds(tumbling, sliding),
+                SITE_WINDOWS: site_rollups(tumbling, self.spec),
+                DEVICE_SESSIONS: sessions,
+            }
+            for table, frame in rows.items():
+                if self.after is not None:
+                    frame = frame.where(F.col(END_COLUMN[table]) > F.lit(self.after))
+                if not frame.isEmpty():
+                    append_once(frame, self.settings.table_path(table), self.ledger, batch_id)
         finally:
             batch.unpersist()
 
-    return write
+    def sliding_due(self, spark: SparkSession, tumbling: DataFrame, batch_id: int) -> DataFrame:
+        """The sliding windows ending between the previous batch's watermark and this batch's."""
+        upper = planned_watermark(spark, self.checkpoint, batch_id)
+        lower = planned_watermark(spark, self.checkpoint, batch_id - 1) if batch_id > 0 else None
+        if upper is None or upper == lower:
+            return sliding_device_windows(tumbling.limit(0), self.spec)
+        written = (
+            spark.read.format("delta")
+            .load(self.settings.table_path(DEVICE_WINDOWS))
+            .where(F.col("window_kind") == TUMBLING)
+            .select(*TUMBLING_COLUMNS)
+            .join(tumbling.select(DEVICE_ID, "window_start"), [DEVICE_ID, "window_start"], "left_anti")
+        )
+        if lower is not None:
+            horizon = lower - timedelta(seconds=self.sliding_s)
+            written = written.where((F.col("window_end") <= F.lit(lower)) & (F.col("window_start") >= F.lit(horizon)))
+        due = F.col("window_end") <= F.lit(upper)
+        if lower is not None:
+            due = due & (F.col("window_end") > F.lit(lower))
+        return sliding_device_windows(tumbling.unionByName(written), self.spec).where(due)
 
 
 def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
     """All final gold tables from one stateful query: one read of silver, one watermark, one checkpoint.
 
     Append mode: a window or session is emitted once, in the batch in which the watermark passes its end.
+    Two aggregations of the readings (tumbling windows, sessions); the rest is combined from the tumbling.
     """
     spec = WindowSpec.from_settings(settings)
     readings = watermarked_readings(spark, settings)
-    tables = {table: compute(readings, spec) for table, compute in FINAL_TABLES.items()}
-    tagged = [frame.withColumn(_TABLE, F.lit(table)) for table, frame in tables.items()]
-    union = tagged[0]
-    for frame in tagged[1:]:
-        union = union.unionByName(frame, allowMissingColumns=True)
-    checkpoint = settings.checkpoint_path(DEVICE_WINDOWS)
-    columns = {table: frame.columns for table, frame in tables.items()}
-    writer = write_final_batch(settings, BatchLedger(checkpoint), final_through(spark, settings), columns)
+    tumbling = tumbling_device_windows(readings, spec).withColumn(_TABLE, F.lit(TUMBLING))
+    sessions = device_sessions(readings, spec).withColumn(_TABLE, F.lit(DEVICE_SESSIONS))
+    union = tumbling.unionByName(sessions, allowMissingColumns=True)
+    writer = FinalWindowsWriter(settings, final_through(spark, settings))
     return (
         union.writeStream.queryName(DEVICE_WINDOWS)
         .outputMode("append")
         .foreachBatch(writer)
-        .option("checkpointLocation", checkpoint)
+        .option("checkpointLocation", settings.checkpoint_path(DEVICE_WINDOWS))
         .trigger(**trigger)
         .start()
     )
@@ -164,58 +205,3 @@ def start_live_windows(spark: SparkSession, settings: Settings, trigger: Trigger
 
 FINAL_WINDOWS_QUERY = QuerySpec(DEVICE_WINDOWS, start_final_windows)
 LIVE_WINDOWS_QUERY = QuerySpec(LIVE_WINDOWS, start_live_windows)
-
-
-# --- the event-time clock ---------------------------------------------------------------------------------
-
-
-class EventClock(threading.Thread):
-    """Ticks event time forward while no readings arrive (see the module docstring)."""
-
-    def __init__(self, spark: SparkSession, settings: Settings, stop: threading.Event, out: TextIO = sys.stderr):
-        super().__init__(name="iotmon-event-clock", daemon=True)
-        self.spark, self.settings, self.stop, self.out = spark, settings, stop, out
-        self.idle_after = interval_seconds(settings.idle_tick_after)
-        self.every = interval_seconds(settings.trigger_interval)
-        self.last_batch = -1
-        self.last_event_time: datetime | None = None
-        self.last_reading_at = time.monotonic()
-        self.ticks = 0
-
-    def observe(self, query: StreamingQuery) -> None:
-        """Note the latest event time and when readings last arrived, from the windows query's progress."""
-        for progress in query.recentProgress:
-            if progress["batchId"] <= self.last_batch:
-                continue
-            self.last_batch = progress["batchId"]
-            counts = progress.get("observedMetrics", {}).get(ARRIVALS)  # a Row (or dict)
-            readings = counts["readings"] if counts is not None else 0
-            latest = progress.get("eventTime", {}).get("max")
-            if readings:
-                self.last_reading_at = time.monotonic()
-                if latest:
-                    self.last_event_time = datetime.fromisoformat(latest.replace("Z", "+00:00"))
-
-    def tick_time(self) -> datetime | None:
-        idle = time.monotonic() - self.last_reading_at
-        if self.last_event_time is None or idle < self.idle_after:
-            return None
-        return self.last_event_time + timedelta(seconds=idle)
-
-    def tick_if_idle(self) -> None:
-        query = next((q for q in self.spark.streams.active if q.name == DEVICE_WINDOWS), None)
-        if query is None:
-            return
-        self.observe(query)
-        tick = self.tick_time()
-        if tick is not None:
-            clock = self.spark.createDataFrame([(tick,)], CLOCK_SCHEMA)
-            clock.write.format("delta").mode("append").save(self.settings.table_path(STREAM_CLOCK))
-            self.ticks += 1
-
-    def run(self) -> None:
-        while not self.stop.wait(self.every):
-            try:
-                self.tick_if_idle()
-            except Exception as exc:  # a missed tick only delays finalisation; the next one catches up
-                print(f"event clock: tick failed ({explain(exc)}); retrying", file=self.out, flush=True)

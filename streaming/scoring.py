@@ -30,13 +30,14 @@ from ingest.silver import READING_KEY
 from iotmon.config import Settings
 from iotmon.lake import BatchLedger, append_once, create_table, read_text, write_text
 from iotmon.queries import QuerySpec, Trigger
-from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, SILVER
+from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, LATENESS, SILVER
 from ml import registry
 from ml.features import FeatureSpec, reading_features
 from ml.model import anomaly_scores
 
-KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset")
-"""Silver columns carried into ``anomalies`` besides the reading key: where it is and where it came from."""
+KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset", LATENESS)
+"""Silver columns carried into ``anomalies`` besides the reading key: where it is, where it came from and how
+late (alerts count only readings that arrived within the watermark)."""
 PINS_KEPT = 200
 """Pins older than this many batches are deleted (Spark itself keeps 100 batches of offsets)."""
 

@@ -9,7 +9,10 @@ This is the exactly-once check of the analytics stage, used by ``iotmon verify``
 * the live table equals the batch tumbling windows for every window the stream has seen;
 * ``anomalies`` holds each silver reading once, scored as the model version it names scores it in a batch
   job over all of silver (no training/serving skew, no duplicate), and every reading is scored once a
-  champion exists; ``alerts`` holds each incident once;
+  champion exists;
+* ``device_status``, ``device_status_changes`` and ``alerts`` equal their rules run once over all of silver
+  and ``anomalies`` (``status_history``, ``alert_history``): the stateful operators give the same results
+  however their input was batched, up to the last change the stream's watermark may not have reached;
 * the ``champion`` alias points at a complete model version (tags, loadable artifacts), or at nothing yet.
 
 Float statistics are compared with a relative tolerance: summation order differs between a stream and a
@@ -34,6 +37,9 @@ from iotmon.schema import (
     ALERTS,
     ANOMALIES,
     BRONZE,
+    DEVICE_ID,
+    DEVICE_STATUS,
+    DEVICE_STATUS_CHANGES,
     DEVICE_WINDOWS,
     DEVICES,
     LATENESS,
@@ -41,6 +47,8 @@ from iotmon.schema import (
     SILVER,
 )
 from ml import registry
+from streaming.alerts import CLEAR_UNSETTLED, alert_history, latest_alerts
+from streaming.device_status import OFFLINE_UNSETTLED, changes_of, latest_status, status_history
 from streaming.jobs import final_through
 from streaming.scoring import scored_readings
 from streaming.windows import END_COLUMN, FINAL_TABLES, STAT_COLUMNS, WindowSpec, tumbling_device_windows
@@ -96,6 +104,11 @@ def _timestamp(epoch_ms: int) -> datetime | None:
     return datetime.fromtimestamp(epoch_ms / 1000, UTC).replace(tzinfo=None) if epoch_ms else None
 
 
+def _ran(spark: SparkSession, checkpoint: str) -> bool:
+    """Whether the query at ``checkpoint`` has committed a batch."""
+    return bool(_batch_files(spark, f"{checkpoint}/commits"))
+
+
 def _batch_files(spark: SparkSession, folder: str) -> list[int]:
     jvm = spark.sparkContext._jvm
     path = jvm.org.apache.hadoop.fs.Path(folder)
@@ -112,6 +125,7 @@ def compare_tables(
     name: str,
     optional: Column | None = None,
     close: tuple[str, ...] = STAT_COLUMNS,
+    ignored: tuple[str, ...] = (),
 ) -> tuple[int, list[str]]:
     """Rows of ``actual`` and ``expected`` matched by ``keys``; problems when either side differs. Expected
     rows matching ``optional`` (a condition on the expected side, ``e.<column>``) may be absent, but must be
@@ -120,7 +134,7 @@ def compare_tables(
     duplicates = actual.groupBy(*keys).count().where("count > 1").count()
     if duplicates:
         problems.append(f"{name}: {duplicates} keys written more than once")
-    values = [c for c in expected.columns if c not in keys]
+    values = [c for c in expected.columns if c not in keys and c not in ignored]
     joined = expected.alias("e").join(actual.alias("a"), list(keys), "full_outer")
     absent = joined.where(F.col(f"a.{values[0]}").isNull() & F.col(f"e.{values[0]}").isNotNull())
     missing = (absent if optional is None else absent.where(~optional)).count()
@@ -191,14 +205,105 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     if count is not None:
         check.rows_checked[ANOMALIES] = count
     check.problems += problems
+    for table, count, problems in _status_against_silver(spark, settings, silver):
+        check.rows_checked[table] = count
+        check.problems += problems
     alerts = read(settings.table_path(ALERTS))
-    repeated = alerts.groupBy("alert_id").count().where("count > 1").count()
     check.alerts = alerts.count()
-    if repeated:
-        check.problems.append(f"{ALERTS}: {repeated} incidents written more than once")
+    count, problems = _alerts_against_anomalies(spark, settings, alerts)
+    check.problems += problems
     check.champion, problems = registry.champion_problems(settings)
     check.problems += problems
     return check
+
+
+def _status_against_silver(
+    spark: SparkSession, settings: Settings, silver: DataFrame
+) -> list[tuple[str, int, list[str]]]:
+    """Device status and its changes against the status rules run once over all of silver (``status_history``):
+    every change the stream made, and only those; each device's current row. Nothing to check before the
+    status query has committed a batch."""
+    settled, reached = committed_watermarks(spark, settings.checkpoint_path(DEVICE_STATUS))
+    if (
+        settled is None
+        and reached is None
+        and not _batch_files(spark, f"{settings.checkpoint_path(DEVICE_STATUS)}/commits")
+    ):
+        return []
+    history = status_history(silver, settings, settled, reached).localCheckpoint()
+    read = spark.read.format("delta").load
+    unsettled = F.col(OFFLINE_UNSETTLED)
+    expected_changes = changes_of(history, OFFLINE_UNSETTLED)
+    changes = read(settings.table_path(DEVICE_STATUS_CHANGES)).withColumn(
+        OFFLINE_UNSETTLED, F.lit(None).cast("boolean")
+    )
+    count, problems = compare_tables(
+        expected_changes,
+        changes.select(*expected_changes.columns),
+        (DEVICE_ID, "changed_at", "status"),
+        DEVICE_STATUS_CHANGES,
+        optional=F.col(f"e.{OFFLINE_UNSETTLED}"),
+        close=(),
+        ignored=(OFFLINE_UNSETTLED,),
+    )
+    results = [(DEVICE_STATUS_CHANGES, count, problems)]
+    current = read(settings.table_path(DEVICE_STATUS))
+    expected = latest_status(history)
+    before_unsettled = latest_status(history.where(~unsettled)).join(
+        history.where(unsettled).select(DEVICE_ID), DEVICE_ID, "left_semi"
+    )
+    results.append(
+        (
+            DEVICE_STATUS,
+            expected.count(),
+            _latest_rows_problems(DEVICE_STATUS, expected, before_unsettled, current, (DEVICE_ID,)),
+        )
+    )
+    return results
+
+
+def _alerts_against_anomalies(spark: SparkSession, settings: Settings, alerts: DataFrame) -> tuple[int, list[str]]:
+    """Alerts against the alert rules run once over all of ``anomalies`` (``alert_history``): each incident
+    once, as the stream left it (an incident whose clearing the stream's watermark may not have reached yet
+    may still be open)."""
+    if not _ran(spark, settings.checkpoint_path(ALERTS)):
+        return 0, []
+    settled, reached = committed_watermarks(spark, settings.checkpoint_path(ALERTS))
+    anomalies = spark.read.format("delta").load(settings.table_path(ANOMALIES))
+    history = alert_history(anomalies, settings, settled, reached).localCheckpoint()
+    unsettled = F.col(CLEAR_UNSETTLED)
+    expected = latest_alerts(history)
+    before_unsettled = latest_alerts(history.where(~unsettled)).join(
+        history.where(unsettled).select("alert_id"), "alert_id", "left_semi"
+    )
+    return expected.count(), _latest_rows_problems(ALERTS, expected, before_unsettled, alerts, ("alert_id",))
+
+
+def _latest_rows_problems(
+    name: str, expected: DataFrame, alternative: DataFrame, actual: DataFrame, keys: tuple[str, ...]
+) -> list[str]:
+    """Problems unless ``actual`` holds each key once, equal to its ``expected`` row or (where the stream may not
+    have got that far) its ``alternative`` row, and no other key."""
+    columns = expected.columns
+    actual = actual.select(*columns)
+    problems = []
+    repeated = actual.groupBy(*keys).count().where("count > 1").count()
+    if repeated:
+        problems.append(f"{name}: {repeated} keys written more than once")
+    same = [F.col(f"a.{c}").eqNullSafe(F.col(f"e.{c}")) for c in columns]
+    matching = F.lit(True)
+    for clause in same:
+        matching = matching & clause
+    unmatched = actual.alias("a").join(expected.alias("e"), matching, "left_anti")
+    unmatched = unmatched.alias("a").join(alternative.alias("e"), matching, "left_anti")
+    missing = expected.join(actual, list(keys), "left_anti").count()
+    if missing:
+        problems.append(f"{name}: {missing} rows of the batch recomputation are missing")
+    different = unmatched.count()
+    if different:
+        sample = unmatched.select(*keys).first()
+        problems.append(f"{name}: {different} rows differ from the batch recomputation, e.g. {sample}")
+    return problems
 
 
 def _anomalies_against_silver(

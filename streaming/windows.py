@@ -5,16 +5,21 @@ incrementally, on a silver snapshot they run as a plain batch job, and the rows 
 silver marks ``on_time`` or ``late`` count, so what the stream leaves out is decided by the data, not by
 when a micro-batch happened to run. Float statistics can differ in the last bits between the two
 (summation order), never more.
+
+Readings are aggregated twice only: into per-device tumbling windows, and into sessions. Sliding windows
+and the per-site roll-ups are combined from the tumbling windows' statistics (``combined``): a sliding
+window holds exactly the tumbling windows inside it, a site window its devices' tumbling windows. Each
+reading in five sliding windows and a site window would otherwise be aggregated seven times over.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
-from iotmon.config import Settings
+from iotmon.config import ConfigError, Settings, interval_seconds
 from iotmon.schema import (
     DEVICE_ID,
     DEVICE_SESSIONS,
@@ -42,9 +47,20 @@ class WindowSpec:
     slide: str = "1 minute"
     session_gap: str = "1 minute"
 
+    def __post_init__(self) -> None:
+        tumble = interval_seconds(self.window)
+        if any(interval_seconds(length) % tumble for length in (self.sliding_window, self.slide)):
+            raise ValueError(
+                f"the sliding window ({self.sliding_window}) and its slide ({self.slide}) must be whole multiples "
+                f"of the tumbling window ({self.window}): sliding windows are combined from tumbling ones"
+            )
+
     @classmethod
     def from_settings(cls, settings: Settings) -> WindowSpec:
-        return cls(settings.window, settings.sliding_window, settings.slide, settings.session_gap)
+        try:
+            return cls(settings.window, settings.sliding_window, settings.slide, settings.session_gap)
+        except ValueError as exc:
+            raise ConfigError(f"IOTMON_SLIDING_WINDOW, IOTMON_SLIDE, IOTMON_WINDOW: {exc}") from None
 
 
 def metric_stats() -> list[Column]:
@@ -65,6 +81,12 @@ STAT_COLUMNS: tuple[str, ...] = (
     "readings",
     *[f"{name}_{stat}" for name in METRIC_NAMES for stat in ("avg", "min", "max", "stddev")],
 )
+
+
+TUMBLING_COLUMNS: tuple[str, ...] = ("window_start", "window_end", DEVICE_ID, *DEVICE_ATTRIBUTES, *STAT_COLUMNS)
+"""The columns of ``tumbling_device_windows``."""
+SESSION_COLUMNS: tuple[str, ...] = (DEVICE_ID, *DEVICE_ATTRIBUTES, "session_start", "session_end", *STAT_COLUMNS)
+"""The columns of ``device_sessions``."""
 
 
 def countable(readings: DataFrame) -> DataFrame:
@@ -92,30 +114,75 @@ def tumbling_device_windows(readings: DataFrame, spec: WindowSpec) -> DataFrame:
     return _windowed(readings, F.window(EVENT_TIME, spec.window), (DEVICE_ID,), DEVICE_ATTRIBUTES)
 
 
-def device_windows(readings: DataFrame, spec: WindowSpec) -> DataFrame:
-    """Per device: tumbling and sliding windows, told apart by ``window_kind``."""
-    tumbling = tumbling_device_windows(readings, spec).withColumn("window_kind", F.lit(TUMBLING))
-    sliding_window = F.window(EVENT_TIME, spec.sliding_window, spec.slide)
-    sliding = _windowed(readings, sliding_window, (DEVICE_ID,), DEVICE_ATTRIBUTES)
-    both = tumbling.unionByName(sliding.withColumn("window_kind", F.lit(SLIDING)))
-    return both.select("window_kind", *[c for c in both.columns if c != "window_kind"])
+def combined(windows: DataFrame, window: Column, group: tuple[str, ...], carried: tuple[str, ...] = ()) -> DataFrame:
+    """Statistics of wider windows from those of the windows inside them (rows with ``STAT_COLUMNS``).
 
-
-def site_windows(readings: DataFrame, spec: WindowSpec) -> DataFrame:
-    """Per site and device type, tumbling windows; ``devices`` is how many devices reported (HyperLogLog)."""
-    group = ("site", "device_type")
+    Counts, minima and maxima combine directly, means weighted by count; the spread is the within-window
+    spread plus each window's distance from the combined mean (Chan et al.), taken in a second pass so that
+    no large sums of squares cancel. ``devices`` counts the rows combined (one per device and window)."""
+    keys = (window.alias("window"), *group)
+    framed = windows.select(*keys, *carried, *STAT_COLUMNS)
+    by_group = Window.partitionBy("window", *group)
+    n = F.col("readings")
+    with_means = framed.withColumns(
+        {f"_{m}_mean": F.sum(F.col(f"{m}_avg") * n).over(by_group) / F.sum(n).over(by_group) for m in METRIC_NAMES}
+    )
+    stats = [F.count(F.lit(1)).alias("devices"), F.sum(n).alias("readings")]
+    for m in METRIC_NAMES:
+        avg, sd, mean = F.col(f"{m}_avg"), F.col(f"{m}_stddev"), F.col(f"_{m}_mean")
+        within = F.coalesce(sd * sd * (n - 1), F.lit(0.0))
+        spread = F.sum(within + n * (avg - mean) * (avg - mean))
+        stats += [
+            (F.sum(avg * n) / F.sum(n)).alias(f"{m}_avg"),
+            F.min(f"{m}_min").alias(f"{m}_min"),
+            F.max(f"{m}_max").alias(f"{m}_max"),
+            F.when(F.sum(n) > 1, F.sqrt(spread / (F.sum(n) - 1))).alias(f"{m}_stddev"),
+        ]
     return (
-        countable(readings)
-        .groupBy(F.window(EVENT_TIME, spec.window).alias("window"), *group)
-        .agg(F.approx_count_distinct(DEVICE_ID, 0.01).alias("devices"), *metric_stats())
+        with_means.groupBy("window", *group)
+        .agg(*[F.max(name).alias(name) for name in carried], *stats)
         .select(
             F.col("window.start").alias("window_start"),
             F.col("window.end").alias("window_end"),
             *group,
+            *carried,
             "devices",
             *STAT_COLUMNS,
         )
     )
+
+
+def sliding_device_windows(tumbling: DataFrame, spec: WindowSpec) -> DataFrame:
+    """Per device, the sliding windows of the tumbling windows ``tumbling`` holds (``tumbling_device_windows``
+    rows): each sliding window combines the tumbling windows inside it (``WindowSpec`` keeps them aligned)."""
+    sliding = F.window(F.col("window_start"), spec.sliding_window, spec.slide)
+    return combined(tumbling, sliding, (DEVICE_ID,), DEVICE_ATTRIBUTES).drop("devices")
+
+
+def site_rollups(tumbling: DataFrame, spec: WindowSpec) -> DataFrame:
+    """Per site and device type, tumbling windows from the devices' (``tumbling_device_windows`` rows);
+    ``devices`` is how many devices reported in the window."""
+    window = F.window(F.col("window_start"), spec.window)
+    return combined(tumbling, window, ("site", "device_type"))
+
+
+def with_kinds(tumbling: DataFrame, sliding: DataFrame) -> DataFrame:
+    """The ``device_windows`` table's rows: tumbling and sliding windows, told apart by ``window_kind``."""
+    both = tumbling.withColumn("window_kind", F.lit(TUMBLING)).unionByName(
+        sliding.withColumn("window_kind", F.lit(SLIDING))
+    )
+    return both.select("window_kind", *[c for c in both.columns if c != "window_kind"])
+
+
+def device_windows(readings: DataFrame, spec: WindowSpec) -> DataFrame:
+    """Per device: tumbling and sliding windows, told apart by ``window_kind``."""
+    tumbling = tumbling_device_windows(readings, spec)
+    return with_kinds(tumbling, sliding_device_windows(tumbling, spec))
+
+
+def site_windows(readings: DataFrame, spec: WindowSpec) -> DataFrame:
+    """Per site and device type, tumbling windows; ``devices`` is how many devices reported."""
+    return site_rollups(tumbling_device_windows(readings, spec), spec)
 
 
 def device_sessions(readings: DataFrame, spec: WindowSpec) -> DataFrame:

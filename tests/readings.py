@@ -59,6 +59,7 @@ def scored_row(device_id: str, seq: int, seconds: float, score: float = 0.5, **v
         "site": "site-1",
         "partition": 0,
         "offset": seq,
+        "lateness": "on_time",
         "score": score,
         "threshold": 1.0,
         "is_anomaly": score > 1.0,

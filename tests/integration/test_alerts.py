@@ -52,7 +52,7 @@ def _score(spark: SparkSession, settings: Settings, rows: list[dict[str, Any]]) 
 
 
 def _tick(spark: SparkSession, settings: Settings, seconds: float) -> None:
-    clock = spark.createDataFrame([(at(seconds),)], CLOCK_SCHEMA)
+    clock = spark.createDataFrame([(at(seconds), ANOMALIES)], CLOCK_SCHEMA)  # a tick following the scores
     clock.write.format("delta").mode("append").save(settings.table_path(STREAM_CLOCK))
 
 

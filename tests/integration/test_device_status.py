@@ -36,7 +36,7 @@ def settings(base_settings: Settings, tmp_path: Path) -> Settings:
         cache_dir=base_settings.cache,
         lake=str(tmp_path / "lake"),
         checkpoints=str(tmp_path / "checkpoints"),
-        watermark="10 seconds",
+        status_lateness="10 seconds",
         offline_after="1 minute",
         low_battery=15.0,
     )

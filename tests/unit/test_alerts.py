@@ -138,7 +138,7 @@ def test_a_backlog_in_one_batch_gives_the_incidents_of_one_by_one() -> None:
         incident(100, 130, 2, 1.5, "battery", cleared=190, version=2),
         incident(300, 310, 2, 3.0, model=2, version=3),
     ]
-    assert advance(DEVICE, None, list(reversed(BACKLOG)), RULES) == expected
+    assert advance(DEVICE, None, BACKLOG, RULES) == expected
     assert one_by_one(BACKLOG) == {i.alert_id: dataclasses.replace(i, version=0) for i in expected}
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pandas as pd
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyspark.sql import DataFrame, SparkSession
 
 from iotmon.config import Settings
-from iotmon.schema import DEGRADED, OFFLINE, ONLINE
+from iotmon.schema import DEGRADED, OFFLINE, ONLINE, SEQ
 from streaming.device_status import (
     DEVICE_STATUS_CHANGES_SCHEMA,
     DEVICE_STATUS_SCHEMA,
@@ -21,6 +24,7 @@ from streaming.device_status import (
     changes_of,
     go_offline,
     latest_status,
+    significant_readings,
     silence_reason,
     status_updates,
 )
@@ -87,13 +91,24 @@ def test_first_reading_is_a_change_from_nothing() -> None:
     assert advance(None, [reading(0, 1)], RULES) == [Update(ONLINE_AT_0, True, None)]
 
 
-def test_every_transition_of_a_batch_is_emitted_in_event_time_order() -> None:
-    shuffled = [reading(20, 3), reading(0, 1), reading(10, 2, battery=12.0)]
-    assert advance(None, shuffled, RULES) == [
+def test_every_transition_of_a_batch_is_emitted_in_arrival_order() -> None:
+    arrived = [reading(0, 1), reading(10, 2, battery=12.0), reading(20, 3)]
+    assert advance(None, arrived, RULES) == [
         Update(ONLINE_AT_0, True, None),
         Update(state(DEGRADED, 10, 10, 2, "battery 12.0% < 15%", 2), True, ONLINE),
         Update(state(ONLINE, 20, 20, 3, "reporting", 3), True, DEGRADED),
     ]
+
+
+def test_a_reading_overtaken_on_its_way_changes_nothing_however_the_readings_are_batched() -> None:
+    """Applied in arrival order, an overtaken reading is stale in one batch as in two: the changes a batch
+    recomputation makes from silver are the stream's."""
+    arrived = [reading(0, 1), reading(20, 3), reading(10, 2, battery=12.0)]
+    together = advance(None, arrived, RULES)
+    first = advance(None, arrived[:2], RULES)
+    apart = first + advance(first[-1].state, arrived[2:], RULES)
+    assert [u for u in together if u.changed] == [u for u in apart if u.changed] == [Update(ONLINE_AT_0, True, None)]
+    assert together[-1].state.last_seen_ms == apart[-1].state.last_seen_ms == 20_000
 
 
 def test_readings_without_a_change_end_in_one_snapshot() -> None:
@@ -152,6 +167,68 @@ def test_an_offline_device_comes_back_with_its_reading() -> None:
 def test_registry_columns_are_kept_when_a_reading_lacks_them() -> None:
     [update] = advance(ONLINE_AT_0, [Reading(10_000, 2, 90.0, None, None, None)], RULES)
     assert (update.state.device_type, update.state.site) == ("pump", "site-1")
+
+
+# -- which readings of a batch the rules need ---------------------------------------------------------------
+
+
+def _frame(readings: list[Reading]) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "event_ms": [r.event_ms for r in readings],
+            SEQ: pd.array([r.seq for r in readings], dtype="Int64"),
+            "battery": [r.battery for r in readings],
+            "out_of_range": [r.out_of_range for r in readings],
+            "device_type": [r.device_type for r in readings],
+            "site": [r.site for r in readings],
+            "partition": [0] * len(readings),
+            "offset": list(range(len(readings))),  # the list's order is the order they arrived in
+        }
+    )
+
+
+_READINGS = st.lists(
+    st.builds(
+        Reading,
+        event_ms=st.integers(0, 400_000),
+        seq=st.one_of(st.none(), st.integers(1, 30)),
+        battery=st.one_of(st.none(), st.sampled_from([5.0, 14.9, 15.0, 90.0])),
+        out_of_range=st.sampled_from([None, "", "temperature", "vibration,battery"]),
+        device_type=st.sampled_from([None, "pump", "motor"]),
+        site=st.sampled_from([None, "site-1", "site-2"]),
+    ),
+    max_size=25,
+)
+_STATES = st.one_of(
+    st.none(),
+    st.builds(
+        DeviceState,
+        status=st.sampled_from([ONLINE, DEGRADED, OFFLINE]),
+        since_ms=st.integers(0, 100_000),
+        last_seen_ms=st.integers(0, 200_000),
+        seq=st.one_of(st.none(), st.integers(1, 30)),
+        reason=st.just("reporting"),
+        device_type=st.sampled_from([None, "pump"]),
+        site=st.sampled_from([None, "site-1"]),
+        version=st.integers(1, 5),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(state=_STATES, readings=_READINGS)
+def test_the_significant_readings_give_the_same_updates_as_all_of_them(
+    state: DeviceState | None, readings: list[Reading]
+) -> None:
+    """The operator hands the rules only some readings of a batch; what they emit must not change."""
+    chosen = significant_readings(state, _frame(readings), RULES)
+    assert advance(state, chosen, RULES) == advance(state, readings, RULES)
+    assert len(chosen) <= len(readings)
+
+
+def test_steady_readings_are_not_handed_over_one_by_one() -> None:
+    steady = [reading(i, i + 1) for i in range(1, 50)]
+    assert [r.seq for r in significant_readings(ONLINE_AT_0, _frame(steady), RULES)] == [2, 50]
 
 
 # -- the operator on a static frame ---------------------------------------------------------------------

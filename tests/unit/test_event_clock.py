@@ -1,50 +1,80 @@
-"""The event-time clock's decisions, from progress reports: tick only when idle, from the newest reading."""
+"""The event-time clock's decisions: tick only when the source has nothing unread, after the newest reading."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 import time
 from types import SimpleNamespace
 
-from pyspark.sql import Row
-
 from iotmon.config import Settings
-from streaming.jobs import EventClock
-from streaming.sources import ARRIVALS
+from iotmon.schema import ANOMALIES, BRONZE, SILVER
+from pipeline.clock import EventClock, Observed, delta_end, kafka_end, ticks_due
+
+NEWEST = dt.datetime(2026, 11, 20, 8, 0, tzinfo=dt.UTC)
 
 
-def _progress(batch: int, readings: int, newest: str | None) -> dict:
-    event_time = {"max": newest} if newest else {}
-    return {"batchId": batch, "observedMetrics": {ARRIVALS: Row(readings=readings)}, "eventTime": event_time}
+def _observed(**changes) -> Observed:
+    base = {"kafka_unread": 0, "newest_event": NEWEST, "idle_s": 45.0, "complete": {SILVER: True, ANOMALIES: True}}
+    return Observed(**{**base, **changes})
 
 
-def _clock() -> EventClock:
-    return EventClock(None, Settings.from_env({}, idle_tick_after="30 seconds"), threading.Event())  # type: ignore[arg-type]
+def test_a_tick_follows_the_newest_reading_at_wall_pace_once_the_source_is_idle() -> None:
+    due = ticks_due(_observed(), idle_after_s=30.0)
+    assert due == {SILVER: NEWEST + dt.timedelta(seconds=45), ANOMALIES: NEWEST + dt.timedelta(seconds=45)}
 
 
-def test_no_tick_before_any_reading_or_while_readings_flow() -> None:
-    clock = _clock()
-    assert clock.tick_time() is None
-    clock.observe(SimpleNamespace(recentProgress=[_progress(0, 10, "2026-11-20T08:00:00.000Z")]))
-    assert clock.last_event_time == dt.datetime(2026, 11, 20, 8, 0, tzinfo=dt.UTC)
-    assert clock.tick_time() is None  # readings arrived just now
+def test_no_tick_while_kafka_holds_unread_records_or_cannot_be_asked() -> None:
+    """A stalled or restarted upstream looks idle downstream; at the source it does not."""
+    assert ticks_due(_observed(kafka_unread=3), idle_after_s=30.0) == {}
+    assert ticks_due(_observed(kafka_unread=None), idle_after_s=30.0) == {}
 
 
-def test_ticks_advance_from_the_newest_reading_at_wall_pace_once_idle() -> None:
-    clock = _clock()
-    clock.observe(SimpleNamespace(recentProgress=[_progress(0, 10, "2026-11-20T08:00:00.000Z")]))
-    clock.last_reading_at = time.monotonic() - 45
-    tick = clock.tick_time()
-    assert tick is not None
-    assert dt.timedelta(seconds=45) <= tick - clock.last_event_time < dt.timedelta(seconds=46)
+def test_no_tick_before_the_idle_time_or_before_any_reading() -> None:
+    assert ticks_due(_observed(idle_s=29.0), idle_after_s=30.0) == {}
+    assert ticks_due(_observed(newest_event=None), idle_after_s=30.0) == {}
 
 
-def test_batches_of_ticks_alone_do_not_count_as_readings() -> None:
-    clock = _clock()
-    clock.observe(SimpleNamespace(recentProgress=[_progress(0, 10, "2026-11-20T08:00:00.000Z")]))
-    clock.last_reading_at = idle_since = time.monotonic() - 45
-    tick_batch = _progress(1, 0, "2026-11-20T08:00:45.000Z")
-    clock.observe(SimpleNamespace(recentProgress=[_progress(0, 10, "2026-11-20T08:00:00.000Z"), tick_batch]))
-    assert clock.last_reading_at == idle_since
-    assert clock.last_event_time == dt.datetime(2026, 11, 20, 8, 0, tzinfo=dt.UTC)
+def test_a_table_behind_its_source_gets_no_tick() -> None:
+    """The scorer has not scored all of silver: alerts must not see time move past what it will still write."""
+    assert ticks_due(_observed(complete={SILVER: True, ANOMALIES: False}), idle_after_s=30.0).keys() == {SILVER}
+
+
+def test_offsets_read_from_progress_reports() -> None:
+    delta = {"sources": [{"endOffset": json.dumps({"reservoirVersion": 7, "index": -1, "isStartingVersion": False})}]}
+    assert delta_end(delta) == 7
+    kafka = {"sources": [{"endOffset": {"topic": {"0": 10, "1": 4}}}]}
+    assert kafka_end(kafka) == {0: 10, 1: 4} and kafka_end(None) == {} and delta_end(None) is None
+
+
+def _query(name: str, progress: dict) -> SimpleNamespace:
+    return SimpleNamespace(name=name, lastProgress=progress)
+
+
+def test_the_clock_reads_idleness_from_the_bronze_query_and_completeness_from_table_versions() -> None:
+    bronze = {"batchId": 3, "numInputRows": 0, "sources": [{"endOffset": {"t": {"0": 10, "1": 4}}}]}
+    silver = {
+        "batchId": 5,
+        "eventTime": {"max": "2026-11-20T08:00:00.000Z"},
+        "sources": [{"endOffset": {"reservoirVersion": 12, "index": -1}}],
+    }
+    scorer = {"batchId": 2, "sources": [{"endOffset": {"reservoirVersion": 8, "index": -1}}]}
+    spark = SimpleNamespace(
+        streams=SimpleNamespace(active=[_query(BRONZE, bronze), _query(SILVER, silver), _query(ANOMALIES, scorer)])
+    )
+    clock = EventClock(spark, Settings.from_env({}), threading.Event())
+    clock.last_record_at = time.monotonic() - 40
+    versions = {BRONZE: 11, SILVER: 9}
+    observed = clock.observe(lambda: {0: 10, 1: 4}, versions.__getitem__)
+    assert observed.kafka_unread == 0 and observed.newest_event == NEWEST and observed.idle_s >= 40
+    assert observed.complete == {SILVER: True, ANOMALIES: False}  # the scorer read silver up to 8 of 9
+    assert clock.observe(lambda: {0: 12, 1: 4}, versions.__getitem__).kafka_unread == 2
+
+    def broker_down() -> dict[int, int]:
+        raise ConnectionError("broker down")
+
+    assert clock.observe(broker_down, versions.__getitem__).kafka_unread is None
+    # A batch that read records resets the idle time.
+    bronze.update(batchId=4, numInputRows=5)
+    assert clock.observe(lambda: {0: 10, 1: 4}, versions.__getitem__).idle_s < 1.0

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 
+import numpy as np
 import pytest
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 
 from iotmon.schema import SILVER_SCHEMA
-from streaming.windows import WindowSpec, device_sessions, device_windows, site_windows, tumbling_device_windows
+from streaming.windows import (
+    STAT_COLUMNS,
+    WindowSpec,
+    _windowed,
+    device_sessions,
+    device_windows,
+    site_rollups,
+    site_windows,
+    sliding_device_windows,
+    tumbling_device_windows,
+)
 
 T0 = dt.datetime(2026, 11, 22, 12, 0, 0)
 SPEC = WindowSpec(window="1 minute", sliding_window="2 minutes", slide="1 minute", session_gap="1 minute")
@@ -116,3 +129,35 @@ def test_sessions_split_at_gaps_longer_than_the_session_gap(spark: SparkSession)
 @pytest.mark.parametrize("compute", [tumbling_device_windows, device_windows, site_windows, device_sessions])
 def test_an_empty_input_gives_an_empty_table(spark: SparkSession, compute) -> None:
     assert compute(spark.createDataFrame([], SILVER_SCHEMA), SPEC).count() == 0
+
+
+def test_windows_combined_from_tumbling_ones_equal_the_readings_aggregated_directly(spark: SparkSession) -> None:
+    """Sliding windows and site roll-ups are combined from tumbling windows' statistics: the same numbers as
+    aggregating the readings themselves, to rounding (pressure is large and its spread tiny: cancellation)."""
+    rng = np.random.default_rng(3)
+    rows = [
+        (f"dev-{d}", float(s), float(20 + rng.normal(0, 0.5)), "on_time") for d in (1, 2, 3) for s in range(0, 600, 7)
+    ]
+    silver = _silver(spark, rows).withColumn("pressure", F.lit(1999.5) + F.rand(7) * 0.001).cache()
+    spec = WindowSpec(window="1 minute", sliding_window="5 minutes", slide="1 minute")
+    direct = {
+        "sliding": _windowed(silver, F.window("event_time", spec.sliding_window, spec.slide), ("device_id",)),
+        "site": _windowed(silver, F.window("event_time", spec.window), ("site", "device_type")),
+    }
+    tumbling = tumbling_device_windows(silver, spec)
+    derived = {"sliding": sliding_device_windows(tumbling, spec), "site": site_rollups(tumbling, spec)}
+    for kind, keys in (("sliding", ("window_start", "device_id")), ("site", ("window_start", "site"))):
+        expected = {tuple(r[k] for k in keys): r for r in direct[kind].collect()}
+        actual = {tuple(r[k] for k in keys): r for r in derived[kind].collect()}
+        assert actual.keys() == expected.keys() and len(actual) >= 20
+        for key, row in expected.items():
+            for column in STAT_COLUMNS:
+                e, a = row[column], actual[key][column]
+                assert (e is None and a is None) or math.isclose(a, e, rel_tol=1e-9, abs_tol=1e-12), (kind, key, column)
+    devices = {r.window_start: r.devices for r in derived["site"].where("site = 'site-a'").collect()}
+    assert set(devices.values()) == {2}  # dev-1 and dev-2 report in every minute
+
+
+def test_sliding_windows_must_be_made_of_whole_tumbling_windows() -> None:
+    with pytest.raises(ValueError, match="whole multiples"):
+        WindowSpec(window="1 minute", sliding_window="90 seconds", slide="1 minute")
