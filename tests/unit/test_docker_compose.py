@@ -12,6 +12,28 @@ from tests.support import PROJECT_ROOT
 
 COMPOSE = yaml.safe_load((PROJECT_ROOT / "docker-compose.yml").read_text())
 APP_SERVICES = {name: svc for name, svc in COMPOSE["services"].items() if svc.get("image", "").startswith("iotmon")}
+# What the demo runs: `docker compose up demo` must bring up all of it.
+DEMO_PARTS = {"kafka", "simulator", "mlflow", "stream", "trainer", "dashboard"}
+
+
+def dependencies(service: dict) -> dict[str, str]:
+    """A service's depends_on as {service: condition}; the short (list) syntax means service_started."""
+    declared = service.get("depends_on", {})
+    if isinstance(declared, list):
+        return dict.fromkeys(declared, "service_started")
+    return {name: (spec or {}).get("condition", "service_started") for name, spec in declared.items()}
+
+
+def brought_up_by(name: str) -> set[str]:
+    """Every service `docker compose up <name>` starts besides <name>: its dependencies, transitively."""
+    reached: set[str] = set()
+    todo = [name]
+    while todo:
+        for dependency in dependencies(COMPOSE["services"][todo.pop()]):
+            if dependency not in reached:
+                reached.add(dependency)
+                todo.append(dependency)
+    return reached - {name}
 
 
 def test_every_app_service_runs_a_real_iotmon_subcommand() -> None:
@@ -69,3 +91,32 @@ def test_only_the_web_uis_are_published_and_the_broker_listens_inside_the_networ
     kafka = COMPOSE["services"]["kafka"]["environment"]
     # Every address inside its container (an empty host), stated explicitly, so the app containers reach it.
     assert all(listener.split("://")[1].startswith(":") for listener in kafka["KAFKA_LISTENERS"].split(","))
+
+
+def test_docker_compose_up_demo_starts_the_whole_demo() -> None:
+    services = COMPOSE["services"]
+    assert "demo" in services, "`docker compose up demo` names a service"
+    # Every other service, the one that builds the image included; nothing is left for a second command.
+    assert brought_up_by("demo") == set(services) - {"demo"} >= DEMO_PARTS
+    assert any("build" in services[name] for name in brought_up_by("demo"))
+    # The entry point, not a part: nothing depends on it, and no profile hides it from `up` or `down`.
+    assert all("demo" not in dependencies(service) for service in services.values())
+    assert "profiles" not in services["demo"]
+    # It waits for each part that can say it is ready, then reports: `iotmon status` exits 0 once the stream runs.
+    for name, condition in dependencies(services["demo"]).items():
+        assert condition == ("service_healthy" if "healthcheck" in services[name] else "service_started"), name
+    assert {"kafka", "stream", "dashboard", "mlflow"} <= {
+        name for name, condition in dependencies(services["demo"]).items() if condition == "service_healthy"
+    }
+    assert build_parser().parse_args(services["demo"]["command"]).command == "status"
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    assert "`docker compose up demo`" in readme
+
+
+def test_healthchecks_ask_the_right_process() -> None:
+    parser = build_parser()
+    check = APP_SERVICES["stream"]["healthcheck"]["test"]
+    assert check[:2] == ["CMD", "iotmon"] and parser.parse_args(check[2:]).command == "status"
+    for name in ("dashboard", "mlflow"):
+        args = parser.parse_args(APP_SERVICES[name]["command"])
+        assert f"//localhost:{args.port}/" in " ".join(APP_SERVICES[name]["healthcheck"]["test"]), name
