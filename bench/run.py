@@ -149,7 +149,9 @@ def _phases(
         topics.append(phase.topic)
         return phase
 
-    spark = spark_session(base, "iotmon-bench")
+    from pipeline.topology import pool_weights
+
+    spark = spark_session(base, "iotmon-bench", pool_weights())
     collector = ProgressCollector().install(spark)
     jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
     memory = MemorySampler(jvm_pid)
@@ -163,6 +165,7 @@ def _phases(
         "spark_driver_memory": base.spark_driver_memory,
         "shuffle_partitions": base.shuffle_partitions,
         "trigger_interval": base.trigger_interval,
+        "final_trigger_interval": base.final_trigger_interval,
         "max_offsets_per_trigger": base.max_offsets_per_trigger,
         "watermark": base.watermark,
         "topic_partitions": base.topic_partitions,

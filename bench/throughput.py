@@ -32,7 +32,7 @@ from ingest.landing import kafka_records
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
 from iotmon.queries import AVAILABLE_NOW, run_continuously, run_until_idle
-from pipeline.topology import KAFKA, TOPOLOGY, ensure_tables, queries
+from pipeline.topology import KAFKA, TOPOLOGY, ensure_tables, queries, trigger_of
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 
@@ -187,7 +187,9 @@ def drain_concurrently(
 
     def run() -> None:
         try:
-            run_continuously(spark, settings, queries(), stop, out=sys.stderr, report_every=30.0)
+            run_continuously(
+                spark, settings, queries(), stop, out=sys.stderr, report_every=30.0, trigger_of=trigger_of(settings)
+            )
         except BaseException as exc:  # reported by the caller, after the queries stopped
             failure.append(exc)
             stop.set()
@@ -219,7 +221,10 @@ def drain_concurrently(
         raise failure[0]
     seconds = (caught_up_at or time.monotonic()) - started
     return {
-        "mode": f"concurrent (every query at once, trigger {settings.trigger_interval})",
+        "mode": (
+            f"concurrent (every query at once, trigger {settings.trigger_interval}, "
+            f"final windows {settings.final_trigger_interval})"
+        ),
         "caught_up": caught_up_at is not None,
         "behind": lagging if caught_up_at is None else [],
         "seconds": round(seconds, 3),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 EXIT_MISMATCH = 1
 TRAIN_RETRY_SECONDS = 15.0
 """``iotmon train --every``: how soon to look again when the archive is still too small to train on."""
+PERIODIC_TRAINER_NICENESS = 10
+"""How much a periodic trainer lowers its scheduling priority, so that the stream keeps its latency budgets."""
 TRAINER_STOP_SECONDS = 120.0
 """How long the demo lets a training run in progress finish when it stops (the champion decision is atomic)."""
 CHILD_STOP_SECONDS = 30.0
@@ -255,6 +258,8 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
             raise CommandError(str(exc)) from None
         return 0
     stop = stop_on_signals()
+    # A periodic trainer shares the machine with the stream: it yields the cores (its Spark JVM inherits this).
+    os.nice(PERIODIC_TRAINER_NICENESS)
     spec, spark, trained_on = FeatureSpec.from_settings(settings), None, None
     while True:
         started, wait = time.monotonic(), args.every
@@ -402,8 +407,6 @@ def cmd_dashboard(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_mlflow(settings: Settings, args: argparse.Namespace) -> int:
     """Become the MLflow UI (exec, so signals reach it directly) on the project's tracking store."""
-    import os
-
     from ml import registry
 
     if settings.tracking_uri.startswith(("http://", "https://")):

@@ -245,7 +245,17 @@ class Settings:
         "SHUFFLE_PARTITIONS", 4, _parse_positive_int, "spark.sql.shuffle.partitions (fixed into checkpoints)."
     )
     trigger_interval: str = _setting(
-        "TRIGGER_INTERVAL", "5 seconds", _parse_interval, "Processing-time trigger of `iotmon stream`."
+        "TRIGGER_INTERVAL",
+        "2 seconds",
+        _parse_interval,
+        "Processing-time trigger of the queries whose tables are due within seconds (all but the final windows).",
+    )
+    final_trigger_interval: str = _setting(
+        "FINAL_TRIGGER_INTERVAL",
+        "30 seconds",
+        _parse_interval,
+        "Processing-time trigger of the final windows and of the late arrivals: what they write can only be "
+        "due once the watermark has moved on.",
     )
     max_offsets_per_trigger: int | None = _setting(
         "MAX_OFFSETS_PER_TRIGGER", 1_000_000, _parse_optional_positive_int, "Cap on Kafka records per batch."

@@ -6,6 +6,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
+from pathlib import Path
+from xml.sax.saxutils import escape
 
 from pyspark.sql import SparkSession
 
@@ -20,13 +23,29 @@ SPARK_OPTIONS_REDACTION = r"(?i)url|sasl\.jaas\.config|sasl\.password|ssl\.key\.
 WARNINGS_OF_INTENDED_BEHAVIOUR = (
     # transformWithState warns for every key seen the first time ("Value state ... doesn't contain a value").
     "org.apache.spark.sql.execution.python.streaming.TransformWithStateInPySparkStateServer",
-    # The fair scheduler warns once per pool that it made it with the default weight: each query's is.
+    # The fair scheduler warns once per pool it makes with the default weight, where none was configured.
     "org.apache.spark.scheduler.FairSchedulableBuilder",
 )
 
 
-def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
-    """Get or create the process's Spark session.
+def fair_pools_file(settings: Settings, weights: Mapping[str, int]) -> Path:
+    """A fair-scheduler allocation file giving each named pool its weight (FAIR within the pool too)."""
+    pools = "".join(
+        f'  <pool name="{escape(name)}"><schedulingMode>FAIR</schedulingMode><weight>{weight}</weight>'
+        f"<minShare>0</minShare></pool>\n"
+        for name, weight in sorted(weights.items())
+    )
+    path = (settings.home / "run" / "fairscheduler.xml").absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'<?xml version="1.0"?>\n<allocations>\n{pools}</allocations>\n')
+    return path
+
+
+def spark_session(
+    settings: Settings, app_name: str = "iotmon", pool_weights: Mapping[str, int] | None = None
+) -> SparkSession:
+    """Get or create the process's Spark session; ``pool_weights`` gives named fair-scheduler pools a weight
+    (the stream's queries each run in a pool of their own, see ``iotmon.queries.start_query``).
 
     Jars come from the local cache as plain paths (``spark.jars``) rather than ``spark.jars.packages``,
     so a start needs no network and does not re-resolve. Shuffle partitions are set here because a
@@ -72,6 +91,8 @@ def spark_session(settings: Settings, app_name: str = "iotmon") -> SparkSession:
         # Not optimizeWrite/autoCompact: measured to cost 3-4x the whole bronze batch here (an extra
         # shuffle and a compaction job per commit); compaction belongs in a maintenance job instead.
     )
+    if pool_weights:
+        builder = builder.config("spark.scheduler.allocation.file", str(fair_pools_file(settings, pool_weights)))
     if local:
         # The driver's RPC endpoint and block manager: loopback, whatever the host name resolves to.
         builder = builder.config("spark.driver.bindAddress", LOOPBACK_IP).config("spark.driver.host", LOOPBACK_IP)

@@ -17,12 +17,12 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
     from iotmon.spark import spark_session
     from ml.registry import import_mlflow
     from pipeline.clock import EventClock
-    from pipeline.topology import ensure_tables, queries, trigger_of
+    from pipeline.topology import ensure_tables, pool_weights, queries, trigger_of
 
     require_writable(settings, "lake", "checkpoints", "home")
     import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
     ensure_topic(settings)
-    spark = spark_session(settings, "iotmon-stream")
+    spark = spark_session(settings, "iotmon-stream", pool_weights())
     ensure_tables(spark, settings)
     with install_progress_recorder(spark, settings):
         if stop is None:
@@ -30,7 +30,8 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
             return
         EventClock(spark, settings, stop).start()
         print(
-            f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval}; "
+            f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval} "
+            f"(final windows every {settings.final_trigger_interval}); "
             "Ctrl-C or SIGTERM stops cleanly",
             file=sys.stderr,
             flush=True,

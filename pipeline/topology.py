@@ -58,6 +58,11 @@ class Node:
     """Its sources: the first is the one it streams from (``KAFKA`` or a table), the rest are joined in."""
     writes: tuple[str, ...]
     purpose: str
+    final: bool = False
+    """Runs every ``IOTMON_FINAL_TRIGGER_INTERVAL`` instead of ``IOTMON_TRIGGER_INTERVAL``: what it writes is
+    only due once the watermark has moved on, so running it more often would buy nothing."""
+    weight: int = 1
+    """Its fair-scheduler pool's weight: the share of the cores it gets while several queries want them."""
 
     @property
     def name(self) -> str:
@@ -74,48 +79,56 @@ TOPOLOGY: tuple[Node, ...] = (
         reads=(KAFKA,),
         writes=(BRONZE, QUARANTINE),
         purpose="every record once, parsed once; the ones that failed parsing quarantined with the reason",
+        weight=4,
     ),
     Node(
         SILVER_QUERY,
         reads=(BRONZE, DEVICES),
         writes=(SILVER, QUARANTINE),
         purpose="each distinct reading once (state-store deduplication), enriched; unregistered devices quarantined",
+        weight=4,
     ),
     Node(
         LATE_ARRIVALS_QUERY,
         reads=(BRONZE, DEVICES, SILVER),
         writes=(SILVER,),
         purpose="readings Kafka delivered later than the watermark, looked up in silver",
+        final=True,
     ),
     Node(
         FINAL_WINDOWS_QUERY,
         reads=(SILVER, STREAM_CLOCK),
         writes=(DEVICE_WINDOWS, SITE_WINDOWS, DEVICE_SESSIONS),
         purpose="final tumbling, sliding and session windows, each written once the watermark passed it",
+        final=True,
     ),
     Node(
         LIVE_WINDOWS_QUERY,
         reads=(SILVER, STREAM_CLOCK),
         writes=(LIVE_WINDOWS,),
         purpose="the current windows, updated in place as readings arrive",
+        weight=2,
     ),
     Node(
         DEVICE_STATUS_QUERY,
         reads=(SILVER, STREAM_CLOCK),
         writes=(DEVICE_STATUS, DEVICE_STATUS_CHANGES),
         purpose="online / degraded / offline per device, with event-time timers",
+        weight=2,
     ),
     Node(
         SCORING_QUERY,
         reads=(SILVER,),
         writes=(ANOMALIES,),
         purpose="every reading scored by the champion model",
+        weight=4,
     ),
     Node(
         ALERTS_QUERY,
         reads=(ANOMALIES, STREAM_CLOCK),
         writes=(ALERTS,),
         purpose="anomaly incidents per device, opened and cleared in event time",
+        weight=2,
     ),
 )
 
@@ -155,5 +168,19 @@ def downstream_of(table: str) -> tuple[str, ...]:
 
 
 def trigger_of(settings: Settings) -> Callable[[QuerySpec], Trigger]:
-    """Each query's processing-time trigger."""
-    return lambda spec: {"processingTime": settings.trigger_interval}
+    """Each query's processing-time trigger (``Node.final``)."""
+
+    def trigger(spec: QuerySpec) -> Trigger:
+        final = node(spec.name).final
+        return {"processingTime": settings.final_trigger_interval if final else settings.trigger_interval}
+
+    return trigger
+
+
+def pool_weights() -> dict[str, int]:
+    """Each query's fair-scheduler pool and its weight (``Node.weight``), for ``iotmon.spark.spark_session``.
+
+    A query's jobs run in a pool named after it; with every core busy, a pool gets its weight's share. The
+    queries whose tables are due within seconds weigh most; the final windows and late arrivals, whose work
+    can wait a trigger, least."""
+    return {n.name: n.weight for n in TOPOLOGY}
