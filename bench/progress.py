@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -25,7 +26,8 @@ from iotmon.ops import progress_row
 class ProgressCollector(StreamingQueryListener):
     """Progress rows (``iotmon.ops.progress_row`` without the raw JSON) of every query of one session."""
 
-    def __init__(self) -> None:
+    def __init__(self, source_reads: Mapping[str, int] | None = None) -> None:
+        self._source_reads = dict(source_reads or {})
         self._lock = threading.Condition()
         self._rows: list[dict[str, Any]] = []
         self._started: set[str] = set()
@@ -36,7 +38,8 @@ class ProgressCollector(StreamingQueryListener):
             self._started.add(str(event.runId))
 
     def onQueryProgress(self, event: QueryProgressEvent) -> None:
-        row = progress_row(json.loads(event.progress.json))
+        progress = json.loads(event.progress.json)
+        row = progress_row(progress, self._source_reads.get(progress.get("name"), 1))
         row.pop("progress_json", None)
         with self._lock:
             self._rows.append(row)

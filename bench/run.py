@@ -149,10 +149,10 @@ def _phases(
         topics.append(phase.topic)
         return phase
 
-    from pipeline.topology import pool_weights
+    from pipeline.topology import pool_weights, source_reads
 
     spark = spark_session(base, "iotmon-bench", pool_weights())
-    collector = ProgressCollector().install(spark)
+    collector = ProgressCollector(source_reads()).install(spark)
     jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
     memory = MemorySampler(jvm_pid)
     memory.start()

@@ -123,12 +123,12 @@ def spark_noop_ceiling(spark: SparkSession, settings: Settings, checkpoint: str)
 def drain(spark: SparkSession, settings: Settings, records: int, log: Log) -> dict[str, Any]:
     """Every query in turn with the available-now trigger; the path's time is the sum of theirs."""
     ensure_tables(spark, settings)
-    queries = []
+    timed = []
     for spec in queries():
         started = time.monotonic()
         rows = run_until_idle(spark, settings, [spec], out=sys.stderr)
         seconds = time.monotonic() - started
-        queries.append(
+        timed.append(
             {
                 "name": spec.name,
                 "rows": rows.get(spec.name),
@@ -137,14 +137,14 @@ def drain(spark: SparkSession, settings: Settings, records: int, log: Log) -> di
                 "skipped": spec.name not in rows,
             }
         )
-    total = sum(q["seconds"] for q in queries)
-    log(f"drain: {records:,} events through {len(queries)} queries in {total:.1f}s")
+    total = sum(q["seconds"] for q in timed)
+    log(f"drain: {records:,} events through {len(timed)} queries in {total:.1f}s")
     return {
         "mode": "in turn (available-now, one query after the other)",
         "events": records,
         "seconds": round(total, 3),
         "events_per_s": round(rate(records, total), 1),
-        "queries": queries,
+        "queries": timed,
     }
 
 

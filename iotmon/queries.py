@@ -40,6 +40,9 @@ class QuerySpec:
     ready: Callable[[SparkSession, Settings], str | None] | None = None
     """For a query that needs something besides its input (the scorer needs a model): None when it can
     run, else why not. A query that is not ready waits (and is not counted as failing) until it is."""
+    source_reads: int = 1
+    """How many times a batch's plan reads its source: Spark's progress counts each read, so a source read
+    by two branches of a plan reports twice its rows."""
 
     def waiting_for(self, spark: SparkSession, settings: Settings) -> str | None:
         return self.ready(spark, settings) if self.ready is not None else None
@@ -104,7 +107,7 @@ def explain(error: BaseException | str) -> str:
     return summary + ("\n  hint: " + hints[0] if hints else "")
 
 
-def progress_line(query: StreamingQuery) -> str:
+def progress_line(query: StreamingQuery, source_reads: int = 1) -> str:
     progress = query.lastProgress
     if not progress:
         return f"{query.name:<12} starting"
@@ -112,9 +115,9 @@ def progress_line(query: StreamingQuery) -> str:
 
     lag = kafka_lag(progress.get("sources", [])) or 0
     return (
-        f"{query.name:<12} batch {progress['batchId']:>5}  rows {progress['numInputRows']:>9,}  "
-        f"in {progress.get('inputRowsPerSecond', 0):>10,.0f}/s  "
-        f"done {progress.get('processedRowsPerSecond', 0):>10,.0f}/s  "
+        f"{query.name:<12} batch {progress['batchId']:>5}  rows {progress['numInputRows'] // source_reads:>9,}  "
+        f"in {progress.get('inputRowsPerSecond', 0) / source_reads:>10,.0f}/s  "
+        f"done {progress.get('processedRowsPerSecond', 0) / source_reads:>10,.0f}/s  "
         f"batch {progress['durationMs'].get('triggerExecution', 0) / 1000:>6.2f}s  kafka lag {lag:,}"
     )
 
@@ -137,10 +140,10 @@ def run_until_idle(
         query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
         try:
             while not query.awaitTermination(report_every):
-                print(progress_line(query), file=out, flush=True)
+                print(progress_line(query, spec.source_reads), file=out, flush=True)
         except StreamingQueryException as exc:
             raise QueryFailed(f"query {spec.name} failed: {settings.redact(explain(exc))}") from exc
-        rows[spec.name] = sum(p["numInputRows"] for p in query.recentProgress)
+        rows[spec.name] = sum(p["numInputRows"] for p in query.recentProgress) // spec.source_reads
         print(
             f"{spec.name:<12} drained {rows[spec.name]:,} rows in {time.monotonic() - started:.1f}s",
             file=out,
@@ -210,8 +213,9 @@ def run_continuously(
                     break
                 queries[spec.name] = start_query(spec, spark, settings, trigger_of(spec), out)
             if time.monotonic() >= next_report:
-                for query in queries.values():
-                    print(progress_line(query), file=out, flush=True)
+                reads = {spec.name: spec.source_reads for spec in specs}
+                for name, query in queries.items():
+                    print(progress_line(query, reads[name]), file=out, flush=True)
                 next_report = time.monotonic() + report_every
     finally:
         for query in queries.values():

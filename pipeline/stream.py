@@ -17,14 +17,14 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
     from iotmon.spark import spark_session
     from ml.registry import import_mlflow
     from pipeline.clock import EventClock
-    from pipeline.topology import ensure_tables, pool_weights, queries, trigger_of
+    from pipeline.topology import ensure_tables, pool_weights, queries, source_reads, trigger_of
 
     require_writable(settings, "lake", "checkpoints", "home")
     import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
     ensure_topic(settings)
     spark = spark_session(settings, "iotmon-stream", pool_weights())
     ensure_tables(spark, settings)
-    with install_progress_recorder(spark, settings):
+    with install_progress_recorder(spark, settings, source_reads=source_reads()):
         if stop is None:
             run_until_idle(spark, settings, queries())
             return

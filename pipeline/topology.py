@@ -177,6 +177,11 @@ def trigger_of(settings: Settings) -> Callable[[QuerySpec], Trigger]:
     return trigger
 
 
+def source_reads() -> dict[str, int]:
+    """How many times each query's plan reads its source (``QuerySpec.source_reads``), for progress readers."""
+    return {n.name: n.query.source_reads for n in TOPOLOGY}
+
+
 def pool_weights() -> dict[str, int]:
     """Each query's fair-scheduler pool and its weight (``Node.weight``), for ``iotmon.spark.spark_session``.
 
