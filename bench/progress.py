@@ -78,3 +78,24 @@ class ProgressCollector(StreamingQueryListener):
             name = row["query_name"] or row["query_id"]
             totals[name] = totals.get(name, 0) + (row["input_rows"] or 0)
         return totals
+
+    def batch_costs(self, mark: int) -> list[dict[str, Any]]:
+        """Per query since ``mark``: batches run, rows read, and seconds spent in them (mean and max): what a
+        batch costs whatever its size is the fixed part of the cost model (docs/cost-model.md)."""
+        per_query: dict[str, list[dict[str, Any]]] = {}
+        for row in self.since(mark):
+            per_query.setdefault(row["query_name"] or row["query_id"], []).append(row)
+        costs = []
+        for name, rows in per_query.items():
+            seconds = [(r["batch_duration_ms"] or 0) / 1000 for r in rows]
+            costs.append(
+                {
+                    "name": name,
+                    "batches": len(rows),
+                    "rows": sum(r["input_rows"] or 0 for r in rows),
+                    "batch_seconds": round(sum(seconds), 3),
+                    "mean_batch_s": round(sum(seconds) / len(rows), 3),
+                    "max_batch_s": round(max(seconds), 3),
+                }
+            )
+        return costs

@@ -22,6 +22,7 @@ from pyspark.sql import SparkSession
 
 from bench.latency import WINDOW_TABLES, measure, window_latency
 from bench.progress import ProgressCollector
+from bench.system import CpuMeter
 from bench.throughput import Log, drain_concurrently, topic_records
 from iotmon.config import Settings
 from iotmon.kafka import ensure_topic
@@ -77,10 +78,15 @@ def steady_state(
     outcome: dict[str, Any] = {}
     since = datetime.now(UTC).replace(tzinfo=None)
 
+    # The stream's CPU while the fleet publishes at the rate: Spark's JVM and its Python workers.
+    cpu = CpuMeter(int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()))
+
     def publish() -> None:
         try:
             started = time.monotonic()
+            cpu.start()
             done = subprocess.run(command, env=child_env(settings), capture_output=True, text=True)
+            outcome.update(cpu=cpu.stop())
             outcome.update(returncode=done.returncode, seconds=time.monotonic() - started, output=done.stdout[-2000:])
             if done.returncode != 0:
                 log(f"steady: the simulator failed ({done.returncode}): {done.stderr.strip()[-500:]}")
@@ -104,6 +110,8 @@ def steady_state(
         "records": records,
         "published_events_per_s": round(records / outcome["seconds"], 1) if outcome.get("seconds") else None,
         "simulator_exit": outcome.get("returncode"),
+        "stream_cpu": outcome.get("cpu"),
+        "queries": collector.batch_costs(run["mark"]),
         "caught_up": run["caught_up"],
         "behind": run["behind"],
         "latency": [latency.to_dict() for latency in latencies],

@@ -12,6 +12,7 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -127,6 +128,54 @@ class MemorySampler(threading.Thread):
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+
+
+def parse_stat_cpu_ticks(fields: list[str]) -> int:
+    """utime + stime + cutime + cstime (clock ticks) from ``/proc/<pid>/stat`` fields after the command name:
+    the process's own CPU and that of its children it has already reaped (ended Python workers)."""
+    return sum(int(fields[i]) for i in (11, 12, 13, 14))
+
+
+def process_tree_cpu_seconds(root: int) -> float:
+    """CPU seconds used so far by ``root`` and every live descendant (the JVM and its Python workers)."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) is not None:
+            parents[int(entry.name)] = int(fields[1])
+            ticks[int(entry.name)] = parse_stat_cpu_ticks(fields)
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """Average cores a process tree used between ``start()`` and ``stop()``: its CPU seconds over wall seconds."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self._started: tuple[float, float] | None = None
+
+    def start(self) -> CpuMeter:
+        self._started = (time.monotonic(), process_tree_cpu_seconds(self.root))
+        return self
+
+    def stop(self) -> dict[str, float]:
+        assert self._started is not None, "CpuMeter.stop() before start()"
+        wall, cpu = time.monotonic() - self._started[0], process_tree_cpu_seconds(self.root) - self._started[1]
+        return {"seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "cores": round(cpu / wall, 3) if wall else 0.0}
 
 
 def directory_bytes(path: str | Path) -> int:

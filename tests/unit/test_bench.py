@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +18,17 @@ from bench.detectability import main as detectability_main
 from bench.features import main as features_main
 from bench.features import synthetic_silver
 from bench.latency import Latency
+from bench.progress import ProgressCollector
 from bench.run import BenchOptions
 from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
-from bench.system import machine_info, parse_meminfo, parse_status_rss
+from bench.system import (
+    CpuMeter,
+    machine_info,
+    parse_meminfo,
+    parse_stat_cpu_ticks,
+    parse_status_rss,
+    process_tree_cpu_seconds,
+)
 from bench.throughput import behind
 from bench.training import copies_and_share
 from iotmon.cli import build_parser
@@ -91,6 +102,38 @@ def test_machine_info_reports_cores_and_memory() -> None:
     assert info["spark_master"] == "local[2]" and info["pyspark"]
 
 
+def test_cpu_is_counted_for_a_process_and_the_children_it_reaped() -> None:
+    # /proc/<pid>/stat after "(comm)": state ppid ... utime(11) stime(12) cutime(13) cstime(14) ...
+    fields = ["S", "1", "1", "1", "0", "-1", "4194560", "100", "0", "0", "0", "700", "50", "30", "20", "20", "0", "1"]
+    assert parse_stat_cpu_ticks(fields) == 800
+    before = process_tree_cpu_seconds(os.getpid())
+    child = subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+    assert child.returncode == 0 and process_tree_cpu_seconds(os.getpid()) > before  # the reaped child counts
+    meter = CpuMeter(os.getpid()).start()
+    sum(i * i for i in range(2_000_000))
+    used = meter.stop()
+    assert used["cpu_seconds"] > 0 and used["cores"] == pytest.approx(used["cpu_seconds"] / used["seconds"], abs=1e-3)
+
+
+def test_batch_costs_sum_each_query_s_batches_since_a_mark() -> None:
+    collector = ProgressCollector()
+    rows = [("bronze", 10, 1000), ("silver", 8, 3000), ("bronze", 20, 500)]
+    collector._rows = [{"query_name": "old", "query_id": "x", "input_rows": 1, "batch_duration_ms": 1}]
+    collector._rows += [
+        {"query_name": name, "query_id": name, "input_rows": n, "batch_duration_ms": ms} for name, n, ms in rows
+    ]
+    costs = {c["name"]: c for c in collector.batch_costs(1)}
+    assert set(costs) == {"bronze", "silver"}
+    assert costs["bronze"] == {
+        "name": "bronze",
+        "batches": 2,
+        "rows": 30,
+        "batch_seconds": 1.5,
+        "mean_batch_s": 0.75,
+        "max_batch_s": 1.0,
+    }
+
+
 def test_a_query_is_behind_until_it_read_what_its_source_holds() -> None:
     held = {KAFKA: 100, "bronze": 100, "silver": 95, "anomalies": 95}
     read = {"bronze": 100, "silver": 100, "late_arrivals": 100, "device_windows": 95, "device_windows_live": 95}
@@ -110,18 +153,23 @@ def test_archive_copies_keep_whole_devices_to_reach_a_size() -> None:
 def test_targets_are_judged_against_what_ran() -> None:
     report = _report()
     verdicts = {t.what: t for t in shaping.targets(report)}
-    assert verdicts["sustained end to end"].met is False
-    assert verdicts["share of Spark's Kafka->noop ceiling"].measured == pytest.approx(0.1)
-    assert verdicts["p99 event->bronze"].met is True
+    assert verdicts["drain, share of Spark's Kafka->noop ceiling"].measured == pytest.approx(0.1)
+    assert verdicts["drain, share of Spark's Kafka->noop ceiling"].met is True
+    assert verdicts["p95 event->bronze"].met is True and "500 events/s" in verdicts["p95 event->bronze"].note
+    assert verdicts["p95 event->anomaly"].met is False  # 20 s
+    assert verdicts["p95 window end->live window"].measured is None  # no rows
+    assert verdicts["stream CPU"].measured == pytest.approx(0.7) and verdicts["stream CPU"].met is False
     skipped = shaping.targets({**report, "steady": shaping.SKIPPED})
-    assert [t.met for t in skipped][2] is None
+    assert [t.met for t in skipped][1:] == [None] * 4
     assert Target("x", "", 3.0, 2.0, at_most=True).met is False
 
 
 def _report() -> dict:
     latency = [
         Latency("bronze", 100, (0.5, 1.0, 1.5)).to_dict(),
+        Latency("anomalies", 100, (5.0, 20.0, 30.0)).to_dict(),
         Latency("device_windows", 0, ()).to_dict(),
+        Latency("device_windows_live", 0, ()).to_dict(),
     ]
     return {
         "machine": machine_info("local[2]", meminfo=MEMINFO),
@@ -151,6 +199,17 @@ def _report() -> dict:
             "caught_up": True,
             "behind": [],
             "latency": latency,
+            "stream_cpu": {"seconds": 10.0, "cpu_seconds": 7.0, "cores": 0.7},
+            "queries": [
+                {
+                    "name": "bronze",
+                    "batches": 5,
+                    "rows": 5000,
+                    "batch_seconds": 4.0,
+                    "mean_batch_s": 0.8,
+                    "max_batch_s": 1.2,
+                }
+            ],
         },
         "scale": {
             "mode": "concurrent",
@@ -184,7 +243,9 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
     report = _report()
     report["targets"] = [t.to_dict() for t in shaping.targets(report)]
     text = shaping.render(report)
-    for needle in ("machine: ", "Kafka consumer", "whole path", "skipped (not ready)", "p99", "scale", "bounded"):
+    for needle in ("machine: ", "Kafka consumer", "whole path", "skipped (not ready)", "p95", "scale", "bounded"):
+        assert needle in text
+    for needle in ("stream CPU while publishing: 0.70 cores", "in batches"):
         assert needle in text
     assert "training cost" in text and "NOT met" in text
     shaping.write_json(report, tmp_path / "report.json")
