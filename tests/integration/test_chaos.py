@@ -10,10 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import BROKER_RESTART, DRIVER_ONLY, STREAM_KILL, TRAINER_KILL, WHOLE_GROUP, ChaosOptions, run_chaos
+from bench.chaos import (
+    BROKER_RESTART,
+    DRIVER_ONLY,
+    STREAM_KILL,
+    TRAINER_KILL,
+    WHOLE_GROUP,
+    ChaosOptions,
+    pipeline_queries,
+    run_chaos,
+)
 from iotmon import broker
 from iotmon.config import Settings
-from iotmon.schema import ALERTS, ANOMALIES, BRONZE, DEVICE_STATUS, SILVER
+from iotmon.schema import ALERTS, ANOMALIES, BRONZE, DEVICE_STATUS, DEVICE_STATUS_CHANGES, SILVER
 from ml import registry
 from tests.support import with_own_broker
 
@@ -35,9 +44,10 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
     # state), a stateful query (transformWithState with timers; the window aggregations share its
     # state store and checkpoint protocol), the scorer and the alerts MERGE. The seed decides which run has the
     # broker restarted under it and which kills take only the Python driver, orphaning its JVM.
+    # Then one more kill, drawn as `iotmon chaos` draws them by default (query, moment and kind at random).
     kill_in = (BRONZE, SILVER, DEVICE_STATUS, ANOMALIES, ALERTS)
     options = ChaosOptions(
-        kills=len(kill_in),
+        kills=len(kill_in) + 1,
         kill_in=kill_in,
         broker_restarts=1,
         trainer_kills=1,
@@ -56,12 +66,13 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
     # The faults really happened: a stream kill mid-batch in each stage, in order, both kinds of kill, one broker
     # restart under a running stream, and a trainer killed while its MLflow run was open.
     counts = report.counts()
-    assert counts[STREAM_KILL] == len(kill_in) and counts[BROKER_RESTART] == 1, printed
+    assert counts[STREAM_KILL] == len(kill_in) + 1 and counts[BROKER_RESTART] == 1, printed
     kills = [f.facts for f in report.faults if f.kind == STREAM_KILL]
-    assert [k["query"] for k in kills] == list(kill_in), printed
-    assert all(k["batch"] is not None for k in kills), printed  # each saw its batch in flight
+    assert [k["query"] for k in kills[: len(kill_in)]] == list(kill_in), printed
+    assert all(k["batch"] is not None for k in kills[: len(kill_in)]), printed  # each saw its batch in flight
+    assert kills[-1]["query"] in (None, *pipeline_queries()), printed  # the random draw
     assert {k["scope"] for k in kills} == {WHOLE_GROUP, DRIVER_ONLY}, printed
-    assert printed.count(f"/{len(kill_in)}: SIGKILL stream (") == len(kill_in)  # a progress line as each lands
+    assert printed.count(f"/{len(kill_in) + 1}: SIGKILL stream (") == len(kill_in) + 1  # a line as each lands
     mid_write = [f for f in report.faults if f.kind == TRAINER_KILL and f.facts["mid_write"]]
     assert len(mid_write) == 1, printed
     facts = mid_write[0].facts
@@ -77,6 +88,8 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
     assert checked[BRONZE] == checked["kafka records"] > 1_000
     assert checked["ground truth sends"] >= checked[BRONZE]  # a send may fail while the broker restarts
     assert 0 < checked[SILVER] <= checked[BRONZE] and checked[ANOMALIES] == checked[SILVER]
+    # Device status and its changes were reconciled against their batch recomputation too.
+    assert checked[DEVICE_STATUS] > 0 and checked[DEVICE_STATUS_CHANGES] > 0
     # The JSON report for the benchmark docs.
     (written,) = (own.home / "chaos").glob("chaos-*.json")
     assert json.loads(written.read_text())["exact"] is True
