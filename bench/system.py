@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from iotmon.processes import process_tree, stat_fields
+
 SAMPLE_EVERY_S = 0.5
 
 
@@ -130,14 +132,6 @@ class MemorySampler(threading.Thread):
         self._stop.set()
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
-
-
 def parse_stat_cpu_ticks(fields: list[str]) -> int:
     """utime + stime + cutime + cstime (clock ticks) from ``/proc/<pid>/stat`` fields after the command name:
     the process's own CPU and that of its children it has already reaped (ended Python workers)."""
@@ -146,19 +140,8 @@ def parse_stat_cpu_ticks(fields: list[str]) -> int:
 
 def process_tree_cpu_seconds(root: int) -> float:
     """CPU seconds used so far by ``root`` and every live descendant (the JVM and its Python workers)."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) is not None:
-            parents[int(entry.name)] = int(fields[1])
-            ticks[int(entry.name)] = parse_stat_cpu_ticks(fields)
-    tree, frontier = {root}, [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
-        tree.update(children)
-        frontier.extend(children)
-    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+    ticks = (parse_stat_cpu_ticks(fields) for pid in process_tree(root) if (fields := stat_fields(pid)))
+    return sum(ticks) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:

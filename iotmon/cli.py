@@ -231,7 +231,9 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     """Once, or every ``--every`` until stopped; a failed run is reported and leaves the champion as it was."""
     from iotmon.preflight import require_writable
+    from iotmon.processes import lower_priority
     from iotmon.spark import spark_session
+    from ml import registry
     from ml.features import FeatureSpec
     from ml.model import ModelParams
     from ml.train import TrainingError, TrainOptions, archive_extent, reason_to_wait, train
@@ -258,8 +260,6 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
             raise CommandError(str(exc)) from None
         return 0
     stop = stop_on_signals()
-    # A periodic trainer shares the machine with the stream: it yields the cores (its Spark JVM inherits this).
-    os.nice(PERIODIC_TRAINER_NICENESS)
     spec, spark, trained_on = FeatureSpec.from_settings(settings), None, None
     while True:
         started, wait = time.monotonic(), args.every
@@ -271,6 +271,10 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
             report = train(spark, settings, options)
             trained_on = report.silver_version
             print(report.report(), flush=True)
+            if registry.champion(settings) is not None:
+                # Until the first champion nothing is scored, so that run is the most urgent work there is;
+                # after it, retraining yields the cores to the stream (this process and its Spark JVM).
+                lower_priority(os.getpid(), PERIODIC_TRAINER_NICENESS)
         except TrainingError as exc:  # not enough data, or nothing new, yet: look again soon
             wait = min(args.every, TRAIN_RETRY_SECONDS)
             print(f"iotmon train: {exc}; looking again in {wait:g}s", file=sys.stderr, flush=True)

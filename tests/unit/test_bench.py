@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from bench.system import (
 from bench.throughput import behind
 from bench.training import copies_and_share
 from iotmon.cli import build_parser
+from iotmon.processes import lower_priority, process_tree
 from iotmon.schema import SILVER_SCHEMA
 from pipeline.topology import KAFKA
 
@@ -310,3 +312,22 @@ def test_the_detection_ceiling_falls_with_the_threshold_and_leaves_part_of_drift
     printed = report(rows, share)
     assert "best per-reading F1 of the oracle" in printed and "noise_burst" in printed
     assert detectability_main(["--devices", "50", "--ticks", "300"]) == 0
+
+
+def test_lower_priority_reaches_every_thread_of_a_child_process() -> None:
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        threads: list[int] = []
+        for _ in range(200):  # until the child has started its second thread
+            threads = [int(t.name) for t in Path(f"/proc/{child.pid}/task").iterdir()]
+            if len(threads) >= 2:
+                break
+            time.sleep(0.05)
+        assert len(threads) >= 2 and child.pid in process_tree(os.getpid())
+        assert lower_priority(child.pid, 15) >= 2
+        assert all(os.getpriority(os.PRIO_PROCESS, tid) >= 15 for tid in threads)
+        assert lower_priority(child.pid, 15) == 0  # already there: nothing to lower
+    finally:
+        child.kill()
+        child.wait()
