@@ -192,6 +192,7 @@ def test_a_silent_fleet_still_finalises_its_last_windows_and_goes_offline(isolat
         offline_after="10 seconds",
         idle_tick_after="2 seconds",
         trigger_interval="1 second",
+        final_trigger_interval="5 seconds",  # the final windows' budget, scaled down like the windows themselves
     )
     _simulate(fast, fast.home / "truth.parquet", START, seed=51, duration=60, dropout_fraction=0.0)
     stop = threading.Event()
