@@ -114,7 +114,7 @@ def test_cpu_is_counted_for_a_process_and_the_children_it_reaped() -> None:
     meter = CpuMeter(os.getpid()).start()
     sum(i * i for i in range(2_000_000))
     used = meter.stop()
-    assert used["cpu_seconds"] > 0 and used["cores"] == pytest.approx(used["cpu_seconds"] / used["seconds"], abs=1e-3)
+    assert used["cpu_seconds"] > 0 and used["cores"] == pytest.approx(used["cpu_seconds"] / used["seconds"], rel=0.02)
 
 
 def test_batch_costs_sum_each_query_s_batches_since_a_mark() -> None:
