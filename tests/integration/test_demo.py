@@ -29,10 +29,11 @@ from tests.support import cli_env, free_port, wait_for, with_own_broker
 pytestmark = pytest.mark.integration
 
 DEVICES = 50
-FIRST_ANOMALY_TIMEOUT = 900.0
+FIRST_ANOMALY_TIMEOUT = 1200.0
 """Seconds from the demo's start: the stream starts, silver spans four feature histories, a model is trained
-and promoted, and the scorer catches up. That took 320-364 s on an idle 2-core machine and 526 s in a CI run
-that shared it with a training job."""
+and promoted, and the scorer catches up. That took 320-364 s on an idle 2-core machine before the topology
+redesign, and about 700 s after it (2026-11-25: eight cold queries and the first training share 2 cores;
+issue 17's target is 120 s, see docs/cost-model.md)."""
 
 
 def _answers(url: str) -> bool:
