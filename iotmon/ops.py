@@ -89,7 +89,7 @@ def _per_read(rate: float | None, source_reads: int) -> float | None:
     return None if rate is None else rate / source_reads
 
 
-def _offsets(value: Any) -> dict[str, Any] | None:
+def source_offsets(value: Any) -> dict[str, Any] | None:
     """Source offsets are JSON objects in ``progress.json`` but JSON strings in PySpark's progress objects."""
     if isinstance(value, str):
         try:
@@ -109,7 +109,7 @@ def kafka_lag(sources: Iterable[Mapping[str, Any]]) -> int | None:
     for source in sources:
         if not str(source.get("description", "")).startswith(_KAFKA_SOURCE_PREFIXES):
             continue
-        end, latest = _offsets(source.get("endOffset")), _offsets(source.get("latestOffset"))
+        end, latest = source_offsets(source.get("endOffset")), source_offsets(source.get("latestOffset"))
         if end is None or latest is None:
             continue
         lag = lag or 0

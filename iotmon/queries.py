@@ -168,6 +168,7 @@ def run_continuously(
     every: Trigger = {"processingTime": settings.trigger_interval}
     trigger_of = trigger_of or (lambda spec: every)
     queries: dict[str, StreamingQuery] = {}
+    reads = {spec.name: spec.source_reads for spec in specs}
     waiting: dict[str, float] = {}
     """Queries that are not ready, and when to ask again."""
 
@@ -213,7 +214,6 @@ def run_continuously(
                     break
                 queries[spec.name] = start_query(spec, spark, settings, trigger_of(spec), out)
             if time.monotonic() >= next_report:
-                reads = {spec.name: spec.source_reads for spec in specs}
                 for name, query in queries.items():
                     print(progress_line(query, reads[name]), file=out, flush=True)
                 next_report = time.monotonic() + report_every

@@ -17,7 +17,6 @@ Ticks are data in a Delta table, so a replayed batch sees the same ones.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 
 from iotmon.config import Settings, interval_seconds
+from iotmon.ops import source_offsets
 from iotmon.queries import explain
 from iotmon.schema import ANOMALIES, BRONZE, EVENT_TIME, SILVER, STREAM_CLOCK
 from streaming.sources import FOLLOWS
@@ -61,9 +61,8 @@ def delta_end(progress: Mapping[str, Any] | None) -> int | None:
     """The table version a Delta-sourced query has read up to: every version before it is read. (Once a
     query has read version v whole, its offset points at the start of v + 1.)"""
     for source in (progress or {}).get("sources") or []:
-        end = source.get("endOffset")
-        end = json.loads(end) if isinstance(end, str) else end
-        if isinstance(end, dict) and "reservoirVersion" in end:
+        end = source_offsets(source.get("endOffset"))
+        if end is not None and "reservoirVersion" in end:
             return int(end["reservoirVersion"])
     return None
 
@@ -71,9 +70,8 @@ def delta_end(progress: Mapping[str, Any] | None) -> int | None:
 def kafka_end(progress: Mapping[str, Any] | None) -> dict[int, int]:
     """The Kafka offsets, per partition, that a query has read up to (its last batch's end)."""
     for source in (progress or {}).get("sources") or []:
-        end = source.get("endOffset")
-        end = json.loads(end) if isinstance(end, str) else end
-        if isinstance(end, dict) and end and all(isinstance(v, dict) for v in end.values()):
+        end = source_offsets(source.get("endOffset"))
+        if end and all(isinstance(v, dict) for v in end.values()):
             return {int(p): int(o) for partitions in end.values() for p, o in partitions.items()}
     return {}
 
