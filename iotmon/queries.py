@@ -160,10 +160,13 @@ def run_continuously(
     out: TextIO = sys.stderr,
     report_every: float = 10.0,
     trigger_of: Callable[[QuerySpec], Trigger] | None = None,
+    unread: Callable[[], Sequence[str]] | None = None,
 ) -> None:
     """Run the queries until ``stop`` is set, restarting a failed query with exponential backoff.
 
-    Each query runs with ``trigger_of(spec)``; by default every ``IOTMON_TRIGGER_INTERVAL``.
+    Each query runs with ``trigger_of(spec)``; by default every ``IOTMON_TRIGGER_INTERVAL``. With ``unread``
+    (the running queries that have input they have not read), a stop drains first: the queries, warm, keep
+    running until ``unread()`` is empty, which spares a drain the start of every query and its state.
     """
     every: Trigger = {"processingTime": settings.trigger_interval}
     trigger_of = trigger_of or (lambda spec: every)
@@ -186,8 +189,32 @@ def run_continuously(
         start_when_ready(spec)
     failures: Counter[str] = Counter()
     next_report = time.monotonic() + report_every
+    draining = threading.Event()
+    """Set once ``stop`` is: from then on only ``unread()`` ends the run, and waits do not end early."""
+
+    def pause(seconds: float) -> bool:
+        """Wait; True when the run should end now."""
+        if draining.is_set():
+            time.sleep(seconds)
+            return False
+        if not stop.wait(seconds):
+            return False
+        if unread is None:
+            return True
+        draining.set()
+        print("draining: the queries run on until each has read all its source holds", file=out, flush=True)
+        return False
+
+    def drained() -> bool:
+        if unread is None or not draining.is_set():
+            return False
+        behind = unread()  # a query waiting to be ready is not running: it has nothing to drain
+        if behind and time.monotonic() >= next_report:
+            print(f"draining: {', '.join(behind)} still reading", file=out, flush=True)
+        return not behind
+
     try:
-        while not stop.wait(0.5):
+        while not pause(0.5) and not drained():
             for spec in specs:
                 if spec.name in waiting:
                     if time.monotonic() >= waiting[spec.name]:
@@ -210,7 +237,7 @@ def run_continuously(
                     )
                 backoff = min(30.0, 2.0 ** failures[spec.name])
                 print(f"{spec.name}: query ended ({reason}); restarting in {backoff:.0f}s", file=out, flush=True)
-                if stop.wait(backoff):
+                if pause(backoff):
                     break
                 queries[spec.name] = start_query(spec, spark, settings, trigger_of(spec), out)
             if time.monotonic() >= next_report:

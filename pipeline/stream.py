@@ -8,8 +8,11 @@ import threading
 from iotmon.config import Settings
 
 
-def run_stream(settings: Settings, stop: threading.Event | None) -> None:
-    """Continuously until ``stop`` is set, or (``stop`` is None) until what Kafka holds now is in every table."""
+def run_stream(settings: Settings, stop: threading.Event | None, drain_on_stop: bool = False) -> None:
+    """Continuously until ``stop`` is set, or (``stop`` is None) until what Kafka holds now is in every table.
+
+    With ``drain_on_stop``, a stop lets the running queries read all their sources hold before they stop
+    (``pipeline.drain``): for a caller that has stopped what publishes to Kafka first."""
     from iotmon.kafka import ensure_topic
     from iotmon.ops import install_progress_recorder
     from iotmon.preflight import require_writable
@@ -17,6 +20,7 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
     from iotmon.spark import spark_session
     from ml.registry import import_mlflow
     from pipeline.clock import EventClock
+    from pipeline.drain import unread_now
     from pipeline.topology import ensure_tables, pool_weights, queries, source_reads, trigger_of
 
     require_writable(settings, "lake", "checkpoints", "home")
@@ -36,4 +40,11 @@ def run_stream(settings: Settings, stop: threading.Event | None) -> None:
             file=sys.stderr,
             flush=True,
         )
-        run_continuously(spark, settings, queries(), stop, trigger_of=trigger_of(settings))
+        run_continuously(
+            spark,
+            settings,
+            queries(),
+            stop,
+            trigger_of=trigger_of(settings),
+            unread=(lambda: unread_now(spark, settings)) if drain_on_stop else None,
+        )
