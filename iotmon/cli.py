@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -24,10 +25,10 @@ if TYPE_CHECKING:
 EXIT_MISMATCH = 1
 TRAIN_RETRY_SECONDS = 15.0
 """``iotmon train --every``: how soon to look again when the archive is still too small to train on."""
+TRAIN_WAIT_LINE_SECONDS = 60.0
+"""... and how often to say so."""
 PERIODIC_TRAINER_NICENESS = 10
 """How much a periodic trainer lowers its scheduling priority, so that the stream keeps its latency budgets."""
-TRAINER_STOP_SECONDS = 120.0
-"""How long the demo lets a training run in progress finish when it stops (the champion decision is atomic)."""
 CHILD_STOP_SECONDS = 30.0
 EXIT_ERROR = 2
 
@@ -141,12 +142,21 @@ def cmd_replay(settings: Settings, args: argparse.Namespace) -> int:
 # --- stream ------------------------------------------------------------------------------------------------
 
 
-def stop_on_signals() -> threading.Event:
-    """An event that SIGINT and SIGTERM set. Installed before anything starts, so a signal that arrives
-    while Spark is still starting also ends in a clean stop rather than a kill."""
+def stop_on_signals(then: Callable[[], None] | None = None) -> threading.Event:
+    """An event that SIGINT and SIGTERM set (and then call ``then``). Installed before anything starts, so a
+    signal that arrives while Spark is still starting also ends in a clean stop rather than a kill. A second
+    signal does not wait for that clean stop: it raises ``KeyboardInterrupt``, as Python's default would."""
     stop = threading.Event()
+
+    def handler(*_: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        if then is not None:
+            then()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, handler)
     return stop
 
 
@@ -259,8 +269,14 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
         except TrainingError as exc:
             raise CommandError(str(exc)) from None
         return 0
-    stop = stop_on_signals()
     spec, spark, trained_on = FeatureSpec.from_settings(settings), None, None
+
+    def abandon_run() -> None:  # a stop does not wait for a run: its jobs fail, and the champion stays
+        if spark is not None:
+            spark.sparkContext.cancelAllJobs()
+
+    stop = stop_on_signals(abandon_run)
+    last_wait_line = -TRAIN_WAIT_LINE_SECONDS
     while True:
         started, wait = time.monotonic(), args.every
         try:
@@ -277,8 +293,13 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
                 lower_priority(os.getpid(), PERIODIC_TRAINER_NICENESS)
         except TrainingError as exc:  # not enough data, or nothing new, yet: look again soon
             wait = min(args.every, TRAIN_RETRY_SECONDS)
-            print(f"iotmon train: {exc}; looking again in {wait:g}s", file=sys.stderr, flush=True)
+            if time.monotonic() - last_wait_line >= TRAIN_WAIT_LINE_SECONDS:
+                print(f"iotmon train: {exc}; looking again every {wait:g}s", file=sys.stderr, flush=True)
+                last_wait_line = time.monotonic()
         except Exception as exc:  # keep retraining; the champion stays whatever it was
+            if stop.is_set():
+                print("iotmon train: stopped; the run in progress was abandoned, champion unchanged", flush=True)
+                return 0
             print(f"iotmon train: run failed, champion unchanged: {exc}", file=sys.stderr, flush=True)
         if stop.wait(max(0.0, wait - (time.monotonic() - started))):
             return 0
@@ -422,7 +443,11 @@ def cmd_mlflow(settings: Settings, args: argparse.Namespace) -> int:
     # MLflow 3's server otherwise starts a job runner and a pool of huey consumers (GenAI scoring, trace
     # archival): eight more Python processes the project never uses, on a machine the stream needs.
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    os.execv(sys.executable, [sys.executable, "-m", *ui, "--workers", "1"])
+    from iotmon import logs
+
+    with logs.output_to_log(settings):  # exec keeps the log file as the server's output (uvicorn, gunicorn)
+        os.execv(sys.executable, [sys.executable, "-m", *ui, "--workers", "1"])
+    return 0  # not reached: the process became the UI
 
 
 # --- setup, config, reset ----------------------------------------------------------------------------------
@@ -520,7 +545,7 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         pid = children.start("simulator", simulator, signal.SIGINT, CHILD_STOP_SECONDS).pid
         print(f"simulator: {args.devices} devices at {args.rate:g} events/s (pid {pid}); truth -> {truth}")
         trainer = ["train", "--every", args.retrain_every]
-        pid = children.start("trainer", trainer, signal.SIGINT, TRAINER_STOP_SECONDS).pid
+        pid = children.start("trainer", trainer, signal.SIGINT, CHILD_STOP_SECONDS).pid
         print(f"trainer: retrains every {args.retrain_every} once silver has enough history (pid {pid})")
         for name in ("dashboard", "mlflow"):
             children.start(name, [name], signal.SIGTERM, CHILD_STOP_SECONDS)
@@ -529,18 +554,20 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
             flush=True,
         )
         if args.duration:
-            # Let the last readings reach the lake before the stream is stopped.
-            grace = interval_seconds(settings.trigger_interval) * 2
-            timer = threading.Timer(args.duration + grace, stop.set)
+            timer = threading.Timer(args.duration, stop.set)
             timer.daemon = True
             timer.start()
-        try:
-            run_stream(settings, stop)
-        finally:
-            # A training run in progress finishes (its champion decision is atomic) unless it takes too long.
+        drain = threading.Event()
+
+        def wind_down() -> None:
+            """At a stop, nothing new is published and no training competes, then the stream drains."""
+            stop.wait()
             children.stop("simulator", "trainer")
-        print("draining what is left in Kafka, then reconciling ...", flush=True)
-        run_stream(settings, None)
+            print("stopped the simulator and the trainer; the stream drains, then the lake is reconciled", flush=True)
+            drain.set()
+
+        threading.Thread(target=wind_down, name="iotmon-demo-wind-down", daemon=True).start()
+        run_stream(settings, drain, drain_on_stop=True)
         return cmd_verify(settings, argparse.Namespace(truth=[], all_truth=True))
     finally:
         children.stop_all()
@@ -758,6 +785,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="IoT device monitoring on Kafka, Spark Structured Streaming and Delta Lake.",
         epilog="Configuration comes from IOTMON_* environment variables: see `iotmon config`.",
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Spark's, Kafka's, MLflow's and the servers' log lines on the console too (IOTMON_LOG_LEVEL=INFO)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, handler: Callable[[Settings, argparse.Namespace], int], help_text: str):
@@ -877,10 +909,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from iotmon import logs
+
     args = build_parser().parse_args(argv)
+    if args.verbose and not os.environ.get("IOTMON_LOG_LEVEL"):
+        os.environ["IOTMON_LOG_LEVEL"] = "INFO"  # for this process and every process it starts
     settings: Settings | None = None
+    log = None
     try:
         settings = Settings.from_env()
+        log = logs.setup(settings, args.command)
         return args.handler(settings, args)
     except _known_errors() as exc:
         message = str(exc) if settings is None else settings.redact(str(exc))
@@ -889,6 +927,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"iotmon {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug or an unforeseen failure: one line here, the traceback in the log
+        from iotmon.queries import explain
+
+        logging.getLogger("iotmon").exception("iotmon %s failed", args.command)
+        message = explain(exc).splitlines()[0]
+        message = settings.redact(message) if settings is not None else message
+        where = f"; details in {log}" if log is not None and not logs.on_console(settings) else ""
+        print(f"iotmon {args.command}: unexpected error: {message}{where}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
