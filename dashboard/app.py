@@ -498,7 +498,7 @@ def create_app(settings: Settings, reader: LakeReader | None = None) -> Dash:
     # import is not thread-safe, so it is made here, before any server starts (``ml.registry.import_mlflow``).
     import_mlflow()
     views = Views(settings, reader or LakeReader(settings))
-    app = Dash(__name__, title="iotmon dashboard", update_title=None)
+    app = Dash(__name__, title="iotmon dashboard", update_title=None, add_log_handler=False)
     app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + CSS + "</style>")
     app.layout = layout(settings)
 
@@ -576,4 +576,8 @@ def serve(settings: Settings, out: TextIO = sys.stdout) -> None:
         file=out,
         flush=True,
     )
-    app.run(host=settings.dashboard_host, port=settings.dashboard_port, debug=False)
+    # Its WSGI app served as a production server would, rather than through ``app.run``: no development
+    # banners on the console, and the requests' log lines go where ``iotmon.logs`` sends them.
+    from werkzeug.serving import run_simple
+
+    run_simple(settings.dashboard_host, settings.dashboard_port, app.server, threaded=True)

@@ -356,6 +356,14 @@ class Settings:
         "MLFLOW_UI_HOST", "127.0.0.1", str, "Address `iotmon mlflow` (the MLflow UI) listens on."
     )
     mlflow_ui_port: int = _setting("MLFLOW_UI_PORT", 5000, _parse_port, "Port `iotmon mlflow` listens on.")
+    log_level: str = _setting(
+        "LOG_LEVEL",
+        "",
+        _parse_choice("", "DEBUG", "INFO", "WARNING", "ERROR"),
+        "Empty: the console shows only the project's own lines, and Spark, Kafka clients, MLflow and the web "
+        "servers log to $IOTMON_HOME/logs. A level (e.g. INFO, as `--verbose` sets) shows their lines of that "
+        "level and above on the console too.",
+    )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

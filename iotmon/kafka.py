@@ -8,6 +8,7 @@ settings, so a secured cluster is configured once for every client.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
@@ -134,7 +135,8 @@ def producer_config(settings: Settings) -> dict[str, Any]:
 
 
 def make_producer(settings: Settings, **extra: Any) -> Producer:
-    return Producer({**producer_config(settings), **extra})
+    # librdkafka's own lines (retries while a new broker elects its coordinator) go to the log, not the console.
+    return Producer({**producer_config(settings), "logger": logging.getLogger("rdkafka"), **extra})
 
 
 def admin(settings: Settings) -> AdminClient:

@@ -12,6 +12,7 @@ from xml.sax.saxutils import escape
 
 from pyspark.sql import SparkSession
 
+from iotmon import logs
 from iotmon.config import Settings
 from iotmon.jars import resolve, spark_extras_bundle
 
@@ -19,13 +20,6 @@ LOOPBACK_IP = "127.0.0.1"
 # Spark's default ``(?i)url`` plus the Kafka client's secret-bearing options (``spark.redaction.regex``,
 # ``(?i)secret|password|token|access[.]?key``, applies on top).
 SPARK_OPTIONS_REDACTION = r"(?i)url|sasl\.jaas\.config|sasl\.password|ssl\.key\.password|ssl\.keystore\.password"
-
-WARNINGS_OF_INTENDED_BEHAVIOUR = (
-    # transformWithState warns for every key seen the first time ("Value state ... doesn't contain a value").
-    "org.apache.spark.sql.execution.python.streaming.TransformWithStateInPySparkStateServer",
-    # The fair scheduler warns once per pool it makes with the default weight, where none was configured.
-    "org.apache.spark.scheduler.FairSchedulableBuilder",
-)
 
 
 def fair_pools_file(settings: Settings, weights: Mapping[str, int]) -> Path:
@@ -74,6 +68,7 @@ def spark_session(
         .config("spark.sql.warehouse.dir", str((settings.home / "warehouse").absolute()))
         .config("spark.ui.enabled", str(settings.spark_ui).lower())
         .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={logs.spark_log_config(settings)}")
         # Spark masks options whose key or value matches these in plans, UIs and logs; the Kafka source's
         # JAAS line (it holds the SASL password) is named explicitly rather than left to a value match.
         .config("spark.sql.redaction.options.regex", SPARK_OPTIONS_REDACTION)
@@ -105,11 +100,8 @@ def spark_session(
     # KeyboardInterrupt. A stream stops between batches instead (the handler its command installed), so
     # whatever handler was there before the session comes back.
     handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    session = builder.getOrCreate()
+    with logs.output_to_log(settings):  # the JVM (and its Python workers) log to this command's file
+        session = builder.getOrCreate()
     if handler is not None:
         signal.signal(signal.SIGINT, handler)
-    session.sparkContext.setLogLevel("WARN")
-    log4j = session.sparkContext._jvm.org.apache.logging.log4j
-    for logger in WARNINGS_OF_INTENDED_BEHAVIOUR:
-        log4j.core.config.Configurator.setLevel(logger, log4j.Level.ERROR)
     return session
