@@ -29,6 +29,11 @@ from tests.support import cli_env, free_port, wait_for, with_own_broker
 pytestmark = pytest.mark.integration
 
 DEVICES = 50
+RATE = 100
+"""Events/s: a small fleet, so that the two cores also run the trainer, the dashboard, the MLflow UI and the
+browser, and the demo's stop has little backlog to drain (the bench measures what the pipeline sustains)."""
+CONSOLE_NOISE = re.compile(r"\b(WARN|WARNING|Traceback|Exception)\b|^\s+at |^\d{2}/\d{2}/\d{2} ")
+"""What a clean run must not print: log lines of Spark or a library, stack traces (see ``iotmon.logs``)."""
 FIRST_ANOMALY_TIMEOUT = 1200.0
 """Seconds from the demo's start: the stream starts, silver spans four feature histories, a model is trained
 and promoted, and the scorer catches up. That took 320-364 s on an idle 2-core machine before the topology
@@ -67,7 +72,7 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
     log = tmp_path / "demo.log"
     command = [
         *(sys.executable, "-m", "iotmon.cli", "demo", "--fresh"),
-        *("--devices", str(DEVICES), "--rate", "200"),
+        *("--devices", str(DEVICES), "--rate", str(RATE)),
     ]
     started = time.monotonic()
     with log.open("w") as out:  # a session of its own: a failed test can stop the demo and all it started
@@ -119,6 +124,9 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
 
     assert demo.returncode == 0, output()
     text_out = log.read_text()
+    noise = [line for line in text_out.splitlines() if CONSOLE_NOISE.search(line)]
+    assert noise == [], f"{len(noise)} lines of library output on the console, e.g. {noise[:5]}"
+    assert (settings.home / "logs" / "demo.log").stat().st_size > 0, "where the stream's Spark logged"
     assert "RESULT: exact" in text_out, output()
     assert "delivered  " in text_out  # the simulator's summary reached the user
     assert "  PROMOTED: " in text_out, "the periodic trainer's report of the champion it promoted"
