@@ -8,7 +8,10 @@ settings, so a secured cluster is configured once for every client.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
@@ -167,7 +170,9 @@ def ensure_topic(settings: Settings, timeout: float = 30.0) -> int:
 
 def partition_offsets(settings: Settings, timeout: float = 30.0) -> dict[int, tuple[int, int]]:
     """Low and high watermark of every partition of the readings topic: the records Kafka holds."""
-    consumer = Consumer({**client_config(settings), "group.id": "iotmon-verify", "enable.auto.commit": False})
+    consumer = Consumer(
+        {**client_config(settings), "group.id": "iotmon-verify", "enable.auto.commit": False, "log_level": 0}
+    )
     try:
         metadata = consumer.list_topics(settings.topic, timeout=timeout)
         topic = metadata.topics.get(settings.topic)
@@ -184,3 +189,46 @@ def partition_offsets(settings: Settings, timeout: float = 30.0) -> dict[int, tu
         raise _unavailable(settings, exc) from None
     finally:
         consumer.close()
+
+
+def newest_event_time(settings: Settings, per_partition: int = 20, timeout: float = 10.0) -> datetime | None:
+    """The newest event time among the last ``per_partition`` records of each partition of the readings
+    topic: what every table's freshness is measured against. Records without a readable event time (the
+    malformed ones) are passed over; None when the topic holds no readable reading."""
+    consumer = Consumer(
+        {**client_config(settings), "group.id": "iotmon-status", "enable.auto.commit": False, "log_level": 0}
+    )
+    try:
+        wanted, remaining = [], 0
+        for partition, (low, high) in partition_offsets(settings, timeout).items():
+            start = max(low, high - per_partition)
+            if high > start:
+                wanted.append(TopicPartition(settings.topic, partition, start))
+                remaining += high - start
+        if not wanted:
+            return None
+        consumer.assign(wanted)
+        newest: datetime | None = None
+        deadline = time.monotonic() + timeout
+        while remaining > 0 and time.monotonic() < deadline:
+            records = consumer.consume(remaining, timeout=max(0.1, deadline - time.monotonic()))
+            remaining -= len(records)
+            for record in records:
+                moment = event_time_of(record.value()) if record.error() is None else None
+                if moment is not None and (newest is None or moment > newest):
+                    newest = moment
+        return newest
+    except KafkaException as exc:
+        raise _unavailable(settings, exc) from None
+    finally:
+        consumer.close()
+
+
+def event_time_of(payload: bytes | None) -> datetime | None:
+    """The event time of a reading's JSON payload, in UTC; None when it has no readable one."""
+    try:
+        value = json.loads(payload or b"")["event_time"]
+        moment = datetime.fromisoformat(value)
+    except (ValueError, KeyError, TypeError):
+        return None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)

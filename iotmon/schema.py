@@ -99,6 +99,20 @@ LAKE_TABLES: tuple[str, ...] = (
     ANOMALIES,
     ALERTS,
 )
+FRESHNESS_COLUMNS: dict[str, str] = {
+    BRONZE: EVENT_TIME,
+    SILVER: EVENT_TIME,
+    DEVICE_WINDOWS: "window_end",
+    SITE_WINDOWS: "window_end",
+    DEVICE_SESSIONS: "session_end",
+    LIVE_WINDOWS: "window_end",
+    DEVICE_STATUS: "last_seen",
+    DEVICE_STATUS_CHANGES: "changed_at",
+    ANOMALIES: EVENT_TIME,
+    ALERTS: "last_anomaly_at",
+}
+"""The event-time column that says how recent each table of readings or results is: its newest value, set
+against the newest event Kafka holds, is how far the table is behind (``iotmon status``, the dashboard)."""
 
 # How late a reading reached Kafka (Kafka timestamp minus event time), as silver records it in ``LATENESS``.
 LATENESS = "lateness"

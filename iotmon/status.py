@@ -22,6 +22,8 @@ from iotmon.ops import SUMMARY_FIELDS, process_start_ticks, read_run_file, run_f
 from iotmon.schema import LAKE_TABLES, QUERY_PROGRESS
 
 EXIT_NOT_RUNNING = 3
+STATUS_KAFKA_TIMEOUT_SECONDS = 3.0
+"""How long status waits for Kafka's newest event: with no broker, the lake's part still answers at once."""
 FROM_RUN_FILE = "run file"
 FROM_TABLE = "query_progress table"
 
@@ -50,6 +52,12 @@ class TableStatus:
     """"file stats" (the log's num_records, no data read) or "scan" (some files have no statistics)."""
     version: int | None = None
     last_commit: str | None = None
+    newest_event: str | None = None
+    """The newest value of its event-time column (``FRESHNESS_COLUMNS``), by file statistics."""
+    behind_kafka_s: float | None = None
+    """Seconds from ``newest_event`` to the newest event in Kafka: how far the table is behind its source.
+    A table can only be this fresh, and "Kafka lag 0" with a large figure here means a query downstream is
+    behind, not that all is well."""
     error: str | None = None
 
 
@@ -66,6 +74,8 @@ class Status:
     stopped_at: str | None = None
     queries_from: str | None = None
     queries: list[QueryStatus] = field(default_factory=list)
+    kafka_newest_event: str | None = None
+    """The newest event time among the last records of the readings topic (None: Kafka did not answer)."""
     tables: list[TableStatus] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,8 +130,22 @@ def _row_count(table: Any) -> tuple[int, str]:
     return table.to_pyarrow_dataset().count_rows(), "scan"
 
 
-def table_status(name: str, path: str) -> TableStatus:
+def freshness(newest_event: datetime | None, kafka_newest: datetime | None) -> float | None:
+    """Seconds a table's newest event is behind Kafka's newest (never below 0: a table cannot be ahead of its
+    source, only Kafka's sample of last records can miss a late-sent newer one); pure."""
+    if newest_event is None or kafka_newest is None:
+        return None
+    return max(0.0, (kafka_newest - _utc(newest_event)).total_seconds())
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def table_status(name: str, path: str, kafka_newest: datetime | None = None) -> TableStatus:
     from deltalake import DeltaTable
+
+    from iotmon.schema import FRESHNESS_COLUMNS
 
     status = TableStatus(name, path)
     try:
@@ -133,6 +157,9 @@ def table_status(name: str, path: str) -> TableStatus:
         history = table.history(1)
         status.last_commit = _iso_from_millis(history[0].get("timestamp")) if history else None
         status.rows, status.counted_from = _row_count(table)
+        if name in FRESHNESS_COLUMNS and (latest := newest(table, FRESHNESS_COLUMNS[name])) is not None:
+            status.newest_event = _utc(latest).isoformat()
+            status.behind_kafka_s = freshness(latest, kafka_newest)
     except Exception as exc:  # one unreadable table must not hide the others
         status.error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
     return status
@@ -265,8 +292,20 @@ def collect(settings: Settings) -> Status:
         status.queries += [query for name, query in known.items() if name not in recorded]
         for query in status.queries:
             query.active = False
-    status.tables = [table_status(name, settings.table_path(name)) for name in LAKE_TABLES]
+    kafka_newest = kafka_newest_event(settings)
+    status.kafka_newest_event = kafka_newest.isoformat() if kafka_newest else None
+    status.tables = [table_status(name, settings.table_path(name), kafka_newest) for name in LAKE_TABLES]
     return status
+
+
+def kafka_newest_event(settings: Settings) -> datetime | None:
+    """The newest event time in the readings topic, or None when Kafka does not answer within seconds."""
+    from iotmon.kafka import KafkaUnavailable, newest_event_time
+
+    try:
+        return newest_event_time(settings, timeout=STATUS_KAFKA_TIMEOUT_SECONDS)
+    except KafkaUnavailable:  # status still answers about the lake; freshness then shows as unknown
+        return None
 
 
 def _number(value: Any, suffix: str = "", digits: int = 0) -> str:
@@ -322,7 +361,8 @@ def render(status: Status) -> str:
             lines.extend(f"      {line}" for line in rest)
     if not status.queries:
         lines.append("queries: none recorded yet")
-    lines.append("tables:")
+    kafka = _when(status.kafka_newest_event) if status.kafka_newest_event else "unknown (Kafka did not answer)"
+    lines.append(f"tables (newest event in Kafka: {kafka}):")
     for table in status.tables:
         if table.error:
             detail = f"unreadable: {table.error}"
@@ -331,6 +371,13 @@ def render(status: Status) -> str:
         else:
             rows = _number(table.rows)
             detail = f"{rows:>12} rows  version {table.version:<6} last commit {_when(table.last_commit)}"
+            if table.newest_event:
+                detail += f"  newest event {_when(table.newest_event)}"
+                detail += (
+                    f", {_number(table.behind_kafka_s, 's', 1)} behind Kafka"
+                    if table.behind_kafka_s is not None
+                    else ""
+                )
         lines.append(f"  {table.name:<22} {detail}")
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ from pyspark.sql import functions as F
 
 from iotmon.cli import main
 from iotmon.config import Settings
-from iotmon.kafka import ensure_topic, make_producer, spark_kafka_options
+from iotmon.kafka import ensure_topic, make_producer, newest_event_time, spark_kafka_options
 from iotmon.ops import install_progress_recorder, read_run_file, run_file_path
 from iotmon.schema import QUERY_PROGRESS
 from iotmon.status import table_status
@@ -195,3 +195,30 @@ def test_status_counts_rows_deleted_by_deletion_vectors(spark: SparkSession, tmp
     assert DeltaTable(path).deletion_vectors().read_all().num_rows > 0, "the DELETE wrote a deletion vector"
     table = table_status("devices", path)
     assert (table.rows, table.counted_from, table.error) == (7, "file stats", None)
+
+
+def test_status_sets_each_table_against_the_newest_event_in_kafka(
+    isolated: Settings, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    ensure_topic(isolated)
+    newest = datetime(2026, 11, 25, 14, 0, 30, 250000, tzinfo=UTC)
+    producer = make_producer(isolated)
+    # More records than status reads at the end of each partition; the newest reading is not the last one
+    # sent, and malformed records are mixed in.
+    ages = [*range(60, 3, -1), 0, 3, 2, 1]
+    for i, age in enumerate(ages):
+        moment = newest - timedelta(seconds=age)
+        producer.produce(isolated.topic, key=f"dev-{i % 5}", value=json.dumps({"event_time": moment.isoformat()}))
+        producer.produce(isolated.topic, key=f"dev-{i % 5}", value=b"not json")
+    assert producer.flush(30) == 0
+    assert newest_event_time(isolated) == newest
+    times = pa.array([newest - timedelta(seconds=12)], pa.timestamp("us", "UTC"))
+    write_deltalake(isolated.table_path("silver"), pa.table({"event_time": times}))
+
+    _use_settings(monkeypatch, isolated)
+    _, out = _status(capsys, "--json")
+    silver = next(t for t in json.loads(out)["tables"] if t["name"] == "silver")
+    assert silver["behind_kafka_s"] == 12.0, silver

@@ -11,12 +11,13 @@ import io
 import json
 import os
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pyarrow as pa
+import pytest
 from deltalake import DeltaTable, write_deltalake
 from pyspark.sql.streaming.listener import QueryProgressEvent, QueryStartedEvent, QueryTerminatedEvent
 from pyspark.sql.types import DoubleType, LongType, StringType, TimestampType
@@ -378,6 +379,12 @@ def _write_progress_rows(settings: Settings, progress: list[dict[str, Any]]) -> 
     )
 
 
+@pytest.fixture(autouse=True)
+def no_kafka(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Status asks Kafka for its newest event; these tests have no broker (tests/integration/test_ops.py does)."""
+    monkeypatch.setattr("iotmon.status.kafka_newest_event", lambda settings: None)
+
+
 def _status(settings: Settings, as_json: bool = False) -> tuple[int, str]:
     out = io.StringIO()
     return report(settings, as_json, out), out.getvalue()
@@ -485,3 +492,26 @@ def test_a_stream_on_another_host_is_trusted_to_its_run_file(tmp_path: Path) -> 
     run.stopped()
     run.write()
     assert _status(settings)[0] == EXIT_NOT_RUNNING
+
+
+def test_status_shows_how_far_each_table_is_behind_the_newest_event_in_kafka(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = Settings(home=tmp_path)
+    kafka_newest = datetime(2026, 11, 25, 14, 0, 30, tzinfo=UTC)
+    monkeypatch.setattr("iotmon.status.kafka_newest_event", lambda _: kafka_newest)
+    times = [kafka_newest - timedelta(seconds=s) for s in (90, 45, 3)]
+    write_deltalake(settings.table_path(BRONZE), pa.table({"event_time": pa.array(times, pa.timestamp("us", "UTC"))}))
+    write_deltalake(settings.table_path("silver"), pa.table({"event_time": pa.array(times[:2], pa.timestamp("us"))}))
+    write_deltalake(settings.table_path("devices"), pa.table({"device_id": ["a"]}))
+
+    _, text = _status(settings, as_json=True)
+    document = json.loads(text)
+    tables = {t["name"]: t for t in document["tables"]}
+    assert document["kafka_newest_event"] == kafka_newest.isoformat()
+    assert (tables[BRONZE]["newest_event"], tables[BRONZE]["behind_kafka_s"]) == (times[2].isoformat(), 3.0)
+    assert tables["silver"]["behind_kafka_s"] == 45.0  # a naive timestamp is UTC, as the session's time zone
+    assert tables["devices"]["newest_event"] is None and tables["devices"]["behind_kafka_s"] is None
+    _, text = _status(settings)
+    assert "tables (newest event in Kafka: 2026-11-25 14:00:30 UTC):" in text
+    assert "newest event 2026-11-25 13:59:45 UTC, 45.0s behind Kafka" in text
