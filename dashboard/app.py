@@ -36,6 +36,7 @@ from iotmon.schema import (
     DEVICE_WINDOWS,
     DEVICES,
     EVENT_TIME,
+    FRESHNESS_COLUMNS,
     LATE,
     LATENESS,
     LIVE_WINDOWS,
@@ -49,7 +50,7 @@ from iotmon.schema import (
     SILVER,
     TOO_LATE,
 )
-from iotmon.status import stream_process
+from iotmon.status import kafka_newest_event, stream_process
 from ml.registry import import_mlflow
 from streaming.windows import SLIDING
 
@@ -225,11 +226,16 @@ def layout(settings: Settings) -> html.Div:
 class Views:
     """Each section's content from the lake; one instance per app, shared by all browser tabs."""
 
-    def __init__(self, settings: Settings, reader: LakeReader) -> None:
+    def __init__(
+        self, settings: Settings, reader: LakeReader, kafka_newest: Callable[[], datetime | None] | None = None
+    ) -> None:
         self.settings = settings
         self.reader = reader
         self.lookback = timedelta(seconds=interval_seconds(settings.dashboard_lookback))
         self.model_history = Cached(lambda: read_model_history(settings), MODEL_CACHE_SECONDS)
+        refresh = interval_seconds(settings.dashboard_refresh)
+        self.kafka_newest = kafka_newest or Cached(lambda: kafka_newest_event(settings), refresh).get
+        """The newest event in Kafka, what each table's freshness is measured against (None: no answer)."""
 
     def since(self) -> datetime | None:
         """Where "recent" starts: the lookback before silver's newest reading (event time, not wall time)."""
@@ -397,9 +403,16 @@ class Views:
             since=None if newest_quarantined is None else ("ingest_time", newest_quarantined - self.lookback),
         )
         reasons = shaping.quarantine_reasons(quarantined)
+        fresh = shaping.freshness(
+            {name: self.reader.newest(name, column) for name, column in FRESHNESS_COLUMNS.items()}, self.kafka_newest()
+        )
+        slowest = fresh.dropna(subset=["behind_kafka_s"]).head(1)
         lag = latest["kafka_lag"].max() if not latest.empty else None
         counts = {
             "kafka lag (records)": "–" if lag is None or pd.isna(lag) else f"{int(lag):,}",
+            "slowest table behind Kafka": (
+                "–" if slowest.empty else f"{slowest['table'].iat[0]} {slowest['behind_kafka_s'].iat[0]:,.0f} s"
+            ),
             "late readings": f"{lateness[LATE]:,}",
             "too late readings": f"{lateness[TOO_LATE]:,}",
             "dropped by watermark": f"{int(latest['rows_dropped_by_watermark'].fillna(0).sum()):,}",
@@ -425,6 +438,11 @@ class Views:
             html.Div(
                 [
                     table(latest, "queries-table", query_columns),
+                    table(
+                        fresh,
+                        "freshness-table",
+                        [("table", "table"), ("newest_event", "newest event"), ("behind_kafka_s", "behind Kafka s")],
+                    ),
                     table(
                         reasons.head(QUARANTINE_ROWS),
                         "quarantine-table",

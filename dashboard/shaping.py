@@ -290,3 +290,16 @@ def model_history(versions: Sequence[ModelVersion], champion: int | None) -> Mod
         later = [v for v in versions if v.promoted_at is not None and v.promoted_at > current.promoted_at]
         since = None if later else current.promoted_at
     return ModelHistory(frame, champion, since)
+
+
+def freshness(newest_events: Mapping[str, datetime | None], kafka_newest: datetime | None) -> pd.DataFrame:
+    """``table``, ``newest_event``, ``behind_kafka_s``: each table's newest event time and how far it is behind
+    the newest event in Kafka, the slowest table first (unknown ones last)."""
+    from iotmon.status import freshness as behind
+
+    rows = [
+        {"table": name, "newest_event": newest, "behind_kafka_s": behind(newest, kafka_newest)}
+        for name, newest in newest_events.items()
+    ]
+    frame = pd.DataFrame(rows, columns=["table", "newest_event", "behind_kafka_s"])
+    return frame.sort_values("behind_kafka_s", ascending=False, na_position="last", ignore_index=True)

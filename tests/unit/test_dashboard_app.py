@@ -42,7 +42,7 @@ def test_every_section_waits_without_errors_on_a_new_lake(tmp_path: Path, tables
     if tables == "empty":
         for name, schema in EMPTY_TABLES.items():
             write_deltalake(settings.table_path(name), schema.empty_table())
-    views = Views(settings, LakeReader(settings))
+    views = Views(settings, LakeReader(settings), kafka_newest=lambda: None)
 
     fleet, events, choices, default = views.overview()
     device, figure = views.device(default, "temperature")

@@ -185,3 +185,12 @@ def test_model_history_names_the_champion_and_since_when() -> None:
 def test_champion_since_is_unknown_when_the_alias_was_moved_by_hand(champion: int, reason: str) -> None:
     versions = [_version(1, 1), _version(2, None), _version(3, 3)]
     assert shaping.model_history(versions, champion).champion_since is None, reason
+
+
+def test_freshness_puts_the_table_furthest_behind_kafka_first_and_unknown_ones_last() -> None:
+    kafka = datetime(2026, 11, 25, 14, 0, tzinfo=UTC)
+    newest = {"bronze": kafka - timedelta(seconds=2), "anomalies": None, "silver": kafka - timedelta(seconds=75)}
+    frame = shaping.freshness(newest, kafka)
+    assert frame["table"].tolist() == ["silver", "bronze", "anomalies"]
+    assert frame["behind_kafka_s"].tolist()[:2] == [75.0, 2.0]
+    assert shaping.freshness(newest, None)["behind_kafka_s"].isna().all()  # Kafka did not answer
