@@ -277,33 +277,37 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
 
     stop = stop_on_signals(abandon_run)
     last_wait_line = -TRAIN_WAIT_LINE_SECONDS
-    while True:
-        started, wait = time.monotonic(), args.every
-        try:
-            # Checked without Spark: no JVM of ours slows the stream while it starts.
-            if reason := reason_to_wait(archive_extent(settings), spec, trained_on):
-                raise TrainingError(reason)
-            spark = spark or spark_session(settings, "iotmon-train")
-            report = train(spark, settings, options)
-            trained_on = report.silver_version
-            print(report.report(), flush=True)
-            if registry.champion(settings) is not None:
-                # Until the first champion nothing is scored, so that run is the most urgent work there is;
-                # after it, retraining yields the cores to the stream (this process and its Spark JVM).
-                lower_priority(os.getpid(), PERIODIC_TRAINER_NICENESS)
-        except TrainingError as exc:  # not enough data, or nothing new, yet: look again soon
-            wait = min(args.every, TRAIN_RETRY_SECONDS)
-            if time.monotonic() - last_wait_line >= TRAIN_WAIT_LINE_SECONDS:
-                print(f"iotmon train: {exc}; looking again every {wait:g}s", file=sys.stderr, flush=True)
-                last_wait_line = time.monotonic()
-        except Exception as exc:  # keep retraining; the champion stays whatever it was
-            if stop.is_set():
-                print("iotmon train: stopped; the run in progress was abandoned, champion unchanged", flush=True)
+    try:
+        while True:
+            started, wait = time.monotonic(), args.every
+            try:
+                # Checked without Spark: no JVM of ours slows the stream while it starts.
+                if reason := reason_to_wait(archive_extent(settings), spec, trained_on):
+                    raise TrainingError(reason)
+                spark = spark or spark_session(settings, "iotmon-train")
+                report = train(spark, settings, options)
+                trained_on = report.silver_version
+                print(report.report(), flush=True)
+                if registry.champion(settings) is not None:
+                    # Until the first champion nothing is scored, so that run is the most urgent work there is;
+                    # after it, retraining yields the cores to the stream (this process and its Spark JVM).
+                    lower_priority(os.getpid(), PERIODIC_TRAINER_NICENESS)
+            except TrainingError as exc:  # not enough data, or nothing new, yet: look again soon
+                wait = min(args.every, TRAIN_RETRY_SECONDS)
+                if time.monotonic() - last_wait_line >= TRAIN_WAIT_LINE_SECONDS:
+                    print(f"iotmon train: {exc}; looking again every {wait:g}s", file=sys.stderr, flush=True)
+                    last_wait_line = time.monotonic()
+            except Exception as exc:  # keep retraining; the champion stays whatever it was
+                if stop.is_set():
+                    print("iotmon train: stopped; the run in progress was abandoned, champion unchanged", flush=True)
+                    return 0
+                print(f"iotmon train: run failed, champion unchanged: {exc}", file=sys.stderr, flush=True)
+            if stop.wait(max(0.0, wait - (time.monotonic() - started))):
                 return 0
-            print(f"iotmon train: run failed, champion unchanged: {exc}", file=sys.stderr, flush=True)
-        if stop.wait(max(0.0, wait - (time.monotonic() - started))):
-            return 0
-        options = replace(options, truth=truth())  # a running simulation has published more
+            options = replace(options, truth=truth())  # a running simulation has published more
+    finally:
+        if spark is not None:  # its JVM and py4j's threads end with the session, so the process exits at once
+            spark.stop()
 
 
 # --- sql -------------------------------------------------------------------------------------------------
@@ -311,8 +315,6 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
     """One statement, or a prompt when none is given; every lake table is a view named after it."""
-    import logging
-
     from pyspark.errors import PySparkException
 
     from iotmon.lake import register_tables, run_sql
@@ -560,10 +562,15 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         drain = threading.Event()
 
         def wind_down() -> None:
-            """At a stop, nothing new is published and no training competes, then the stream drains."""
+            """At a stop, nothing new is published and nothing else competes for the cores (a training run, a
+            dashboard page refreshing itself), then the stream drains."""
             stop.wait()
-            children.stop("simulator", "trainer")
-            print("stopped the simulator and the trainer; the stream drains, then the lake is reconciled", flush=True)
+            children.stop_all()
+            print(
+                "stopped the fleet, the trainer, the dashboard and the MLflow UI; "
+                "the stream drains, then the lake is reconciled",
+                flush=True,
+            )
             drain.set()
 
         threading.Thread(target=wind_down, name="iotmon-demo-wind-down", daemon=True).start()

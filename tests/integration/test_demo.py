@@ -19,26 +19,30 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pyarrow.dataset as ds
 import pytest
 
 from iotmon import broker
 from iotmon.config import Settings
+from iotmon.schema import ANOMALIES
 from tests.browser import ARTIFACTS, errors, screenshot, text, until
 from tests.support import cli_env, free_port, wait_for, with_own_broker
 
 pytestmark = pytest.mark.integration
 
-DEVICES = 50
-RATE = 100
-"""Events/s: a small fleet, so that the two cores also run the trainer, the dashboard, the MLflow UI and the
-browser, and the demo's stop has little backlog to drain (the bench measures what the pipeline sustains)."""
+DEVICES = 20
+RATE = 40
+"""Events/s: a small fleet. The two cores also run the trainer, the dashboard, the MLflow UI and the browser,
+and the stream's eight queries cost most of a core whatever the rate; every event more is backlog the scorer
+catches up on after the first promotion and the stop drains and reconciles (2026-11-25, 50 devices at 100/s:
+first anomaly after 1,064 s, and the stop took over 600 s). What the pipeline sustains is `iotmon bench`'s."""
 CONSOLE_NOISE = re.compile(r"\b(WARN|WARNING|Traceback|Exception)\b|^\s+at |^\d{2}/\d{2}/\d{2} ")
 """What a clean run must not print: log lines of Spark or a library, stack traces (see ``iotmon.logs``)."""
 FIRST_ANOMALY_TIMEOUT = 1200.0
 """Seconds from the demo's start: the stream starts, silver spans four feature histories, a model is trained
 and promoted, and the scorer catches up. That took 320-364 s on an idle 2-core machine before the topology
-redesign, and about 700 s after it (2026-11-25: eight cold queries and the first training share 2 cores;
-issue 17's target is 120 s, see docs/cost-model.md)."""
+redesign, and 690-1,064 s after it (2026-11-25: eight cold queries and the first training share 2 cores, the
+training ran 7-10 minutes; issue 17's target is 120 s, see docs/cost-model.md)."""
 
 
 def _answers(url: str) -> bool:
@@ -47,6 +51,17 @@ def _answers(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def _flagged(settings: Settings) -> bool:
+    """Whether the anomalies table holds a flagged reading (delta-rs: no Spark, no competing JVM)."""
+    from deltalake import DeltaTable
+
+    path = settings.table_path(ANOMALIES)
+    if not DeltaTable.is_deltatable(path):
+        return False
+    dataset = DeltaTable(path).to_pyarrow_dataset()
+    return dataset.count_rows(filter=ds.field("is_anomaly")) > 0
 
 
 def _listening(port: int) -> bool:
@@ -94,13 +109,18 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
         until(browser, lambda d: text(d, "fleet-total") is not None, "the fleet section")
         assert errors(browser) == []
 
+        # A page left open refreshes itself every IOTMON_DASHBOARD_REFRESH: with the browser that costs about half
+        # a core, which on 2 cores the first training needs. So, as someone who comes back later, leave the page
+        # while the loop closes, and open it again once the lake holds a flagged reading.
+        browser.get("about:blank")
+        wait_for(lambda: up(dashboard) and _flagged(settings), FIRST_ANOMALY_TIMEOUT, "the first anomaly", poll=5)
+        first_anomaly_s = time.monotonic() - started
+        browser.get(dashboard)
         rows = until(
             browser,
             lambda d: d.find_elements("css selector", "#anomalies-table tbody tr"),
-            "the first anomaly",
-            timeout=FIRST_ANOMALY_TIMEOUT,
+            "the first anomaly on the dashboard",
         )
-        first_anomaly_s = time.monotonic() - started
         cells = rows[0].find_elements("tag name", "td")
         assert cells[1].text.startswith("dev-"), "the device that raised it"
         assert int(cells[-1].text) >= 1, "the model version that flagged it"
@@ -108,8 +128,9 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
         until(browser, lambda d: "champion: iotmon-anomaly v" in (text(d, "champion") or ""), "the champion")
         assert errors(browser) == []
         shot = screenshot(browser, "demo-dashboard.png")
-        timings = {"first_anomaly_on_dashboard_s": round(first_anomaly_s, 1), "screenshot": str(shot)}
+        timings = {"first_anomaly_in_lake_s": round(first_anomaly_s, 1), "screenshot": str(shot)}
         (ARTIFACTS / "demo-timings.json").write_text(json.dumps(timings, indent=2))
+        browser.get("about:blank")
 
         mlflow_ui = f"http://127.0.0.1:{settings.mlflow_ui_port}/"
         wait_for(lambda: up(mlflow_ui), 120, "the MLflow UI to answer", poll=0.5)
