@@ -99,3 +99,26 @@ def test_chaos_checks_its_options(capsys: pytest.CaptureFixture) -> None:
     assert "--kill-in: no query named silverr" in capsys.readouterr().err
     assert main(["chaos", "--kills", "1", "--broker-restarts", "0", "--kill-in", "bronze,silver"]) == EXIT_ERROR
     assert "--kill-in names more queries than --kills allows" in capsys.readouterr().err
+
+
+def test_an_unexpected_error_is_one_line_naming_the_log_with_the_traceback(
+    local_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    def broken(*_: object) -> int:
+        raise RuntimeError("the disk went away\nand a second line")
+
+    monkeypatch.setattr("iotmon.cli.cmd_config", broken)
+    assert main(["config"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    log = local_home / "logs" / "config.log"
+    assert err == f"iotmon config: unexpected error: the disk went away; details in {log}\n"
+    assert "Traceback" in log.read_text() and "RuntimeError: the disk went away" in log.read_text()
+
+
+def test_verbose_asks_this_process_and_its_children_for_library_lines(capsys: pytest.CaptureFixture) -> None:
+    try:
+        assert main(["--verbose", "config"]) == 0
+        assert os.environ["IOTMON_LOG_LEVEL"] == "INFO"
+        assert "IOTMON_LOG_LEVEL" in capsys.readouterr().out
+    finally:
+        os.environ.pop("IOTMON_LOG_LEVEL", None)
