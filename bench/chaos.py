@@ -40,8 +40,10 @@ WHOLE_GROUP = "whole group"
 DRIVER_ONLY = "driver only"
 MODEL_QUERIES = (ANOMALIES, ALERTS)
 """Queries that only have batches once a champion exists: chosen as kill moments only then."""
-IN_FLIGHT_PATIENCE_S = 300.0
-"""How long a kill waits for a batch of its query; then it lands anyway (a slow start is a moment too)."""
+IN_FLIGHT_PATIENCE_S = 600.0
+"""How long a kill waits for a batch of its query; then it lands anyway (a slow start is a moment too). The
+alerts' first batch waits for the scorer's, which scores all of silver: on 2 cores with the trainer running
+that took more than 300 s (2026-11-25)."""
 ORPHAN_PATIENCE_S = 30.0
 """How long a Spark JVM orphaned by a driver-only kill may take to exit by itself before it is killed."""
 TRAINER_PATIENCE_S = 900.0
