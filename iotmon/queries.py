@@ -31,6 +31,8 @@ SCHEDULER_POOL = "spark.scheduler.pool"
 starts it, its ``foreachBatch`` writes included."""
 READY_POLL_SECONDS = 10.0
 """How often a waiting query asks again whether it can run."""
+DRAIN_CHECK_SECONDS = 2.0
+"""How often a draining run asks whether every query has read all its source holds."""
 
 
 @dataclass(frozen=True)
@@ -205,9 +207,13 @@ def run_continuously(
         print("draining: the queries run on until each has read all its source holds", file=out, flush=True)
         return False
 
+    next_check = 0.0
+
     def drained() -> bool:
-        if unread is None or not draining.is_set():
+        nonlocal next_check
+        if unread is None or not draining.is_set() or time.monotonic() < next_check:
             return False
+        next_check = time.monotonic() + DRAIN_CHECK_SECONDS  # each check asks Kafka and reads Delta logs
         behind = unread()  # a query waiting to be ready is not running: it has nothing to drain
         if behind and time.monotonic() >= next_report:
             print(f"draining: {', '.join(behind)} still reading", file=out, flush=True)
