@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from iotmon.config import ConfigError, Settings
+from iotmon.schema import as_utc
 
 # The JAAS login module of each SASL mechanism, for the Java client's ``sasl.jaas.config``.
 JAAS_LOGIN_MODULES = {
@@ -168,11 +169,21 @@ def ensure_topic(settings: Settings, timeout: float = 30.0) -> int:
     return settings.topic_partitions
 
 
-def partition_offsets(settings: Settings, timeout: float = 30.0) -> dict[int, tuple[int, int]]:
-    """Low and high watermark of every partition of the readings topic: the records Kafka holds."""
-    consumer = Consumer(
-        {**client_config(settings), "group.id": "iotmon-verify", "enable.auto.commit": False, "log_level": 0}
-    )
+def _reader(settings: Settings, group: str) -> Consumer:
+    return Consumer({**client_config(settings), "group.id": group, "enable.auto.commit": False, "log_level": 0})
+
+
+def partition_offsets(
+    settings: Settings, timeout: float = 30.0, consumer: Consumer | None = None
+) -> dict[int, tuple[int, int]]:
+    """Low and high watermark of every partition of the readings topic: the records Kafka holds (asked with
+    ``consumer``, or a client of its own)."""
+    if consumer is None:
+        own = _reader(settings, "iotmon-verify")
+        try:
+            return partition_offsets(settings, timeout, own)
+        finally:
+            own.close()
     try:
         metadata = consumer.list_topics(settings.topic, timeout=timeout)
         topic = metadata.topics.get(settings.topic)
@@ -187,20 +198,16 @@ def partition_offsets(settings: Settings, timeout: float = 30.0) -> dict[int, tu
         return result
     except KafkaException as exc:
         raise _unavailable(settings, exc) from None
-    finally:
-        consumer.close()
 
 
 def newest_event_time(settings: Settings, per_partition: int = 20, timeout: float = 10.0) -> datetime | None:
     """The newest event time among the last ``per_partition`` records of each partition of the readings
     topic: what every table's freshness is measured against. Records without a readable event time (the
     malformed ones) are passed over; None when the topic holds no readable reading."""
-    consumer = Consumer(
-        {**client_config(settings), "group.id": "iotmon-status", "enable.auto.commit": False, "log_level": 0}
-    )
+    consumer = _reader(settings, "iotmon-status")
     try:
         wanted, remaining = [], 0
-        for partition, (low, high) in partition_offsets(settings, timeout).items():
+        for partition, (low, high) in partition_offsets(settings, timeout, consumer).items():
             start = max(low, high - per_partition)
             if high > start:
                 wanted.append(TopicPartition(settings.topic, partition, start))
@@ -231,4 +238,4 @@ def event_time_of(payload: bytes | None) -> datetime | None:
         moment = datetime.fromisoformat(value)
     except (ValueError, KeyError, TypeError):
         return None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    return as_utc(moment)

@@ -13,6 +13,7 @@ required field makes the record malformed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from pyspark.sql.types import (
     BinaryType,
@@ -49,6 +50,13 @@ METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in METRICS)
 DEVICE_ID = "device_id"
 SEQ = "seq"
 EVENT_TIME = "event_time"
+
+
+def as_utc(moment: datetime) -> datetime:
+    """An event time in UTC; a naive one is UTC already (the Spark session's time zone, the payload's Z)."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
 REQUIRED_FIELDS: tuple[str, ...] = (DEVICE_ID, SEQ, EVENT_TIME, *METRIC_NAMES)
 
 DEVICE_TYPES: tuple[str, ...] = ("pump", "motor", "chiller", "compressor")

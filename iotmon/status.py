@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from iotmon.config import Settings
 from iotmon.ops import SUMMARY_FIELDS, process_start_ticks, read_run_file, run_file_path
-from iotmon.schema import LAKE_TABLES, QUERY_PROGRESS
+from iotmon.schema import LAKE_TABLES, QUERY_PROGRESS, as_utc
 
 EXIT_NOT_RUNNING = 3
 STATUS_KAFKA_TIMEOUT_SECONDS = 3.0
@@ -135,11 +135,7 @@ def freshness(newest_event: datetime | None, kafka_newest: datetime | None) -> f
     source, only Kafka's sample of last records can miss a late-sent newer one); pure."""
     if newest_event is None or kafka_newest is None:
         return None
-    return max(0.0, (kafka_newest - _utc(newest_event)).total_seconds())
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    return max(0.0, (kafka_newest - as_utc(newest_event)).total_seconds())
 
 
 def table_status(name: str, path: str, kafka_newest: datetime | None = None) -> TableStatus:
@@ -158,7 +154,7 @@ def table_status(name: str, path: str, kafka_newest: datetime | None = None) -> 
         status.last_commit = _iso_from_millis(history[0].get("timestamp")) if history else None
         status.rows, status.counted_from = _row_count(table)
         if name in FRESHNESS_COLUMNS and (latest := newest(table, FRESHNESS_COLUMNS[name])) is not None:
-            status.newest_event = _utc(latest).isoformat()
+            status.newest_event = as_utc(latest).isoformat()
             status.behind_kafka_s = freshness(latest, kafka_newest)
     except Exception as exc:  # one unreadable table must not hide the others
         status.error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
