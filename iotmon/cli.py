@@ -78,6 +78,7 @@ def _simulation_options(args: argparse.Namespace) -> SimulationOptions:
         events=args.events,
         duration=args.duration,
         rate=args.rate,
+        past=args.past,
         interval=args.interval,
         start=args.start,
         late_fraction=args.late_fraction,
@@ -528,6 +529,7 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     """Broker, a real-time fleet, the stream, a periodic trainer, the dashboard and the MLflow UI, as separate
     processes the way they would run in production; on exit, drain, reconcile, and stop what it started."""
     from iotmon import broker
+    from ml.train import past_to_publish_s
     from pipeline.stream import run_stream
 
     stop = stop_on_signals()
@@ -541,11 +543,14 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     children = _Children()
     try:
         truth = settings.truth_dir / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
-        fleet = ["--devices", str(args.devices), "--rate", str(args.rate)]
+        # The fleet's recent past first, as much as the first model needs: it trains at once, not minutes later.
+        past = past_to_publish_s(settings)
+        fleet = ["--devices", str(args.devices), "--rate", str(args.rate), "--past", str(past)]
         duration = ["--duration", str(args.duration)] if args.duration else []
         simulator = ["simulate", "--quiet", "--truth", str(truth), *fleet, *duration]
         pid = children.start("simulator", simulator, signal.SIGINT, CHILD_STOP_SECONDS).pid
-        print(f"simulator: {args.devices} devices at {args.rate:g} events/s (pid {pid}); truth -> {truth}")
+        history = f", after their last {past:g}s of readings at once" if past else ""
+        print(f"simulator: {args.devices} devices at {args.rate:g} events/s{history} (pid {pid}); truth -> {truth}")
         trainer = ["train", "--every", args.retrain_every]
         pid = children.start("trainer", trainer, signal.SIGINT, CHILD_STOP_SECONDS).pid
         print(f"trainer: retrains every {args.retrain_every} once silver has enough history (pid {pid})")
@@ -632,6 +637,9 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", type=int, help="stop after this many records")
     parser.add_argument("--duration", type=float, help="seconds: simulated time (backlog) or wall time (--rate)")
     parser.add_argument("--rate", type=float, help="real time at this many events/s (event time = wall clock)")
+    parser.add_argument(
+        "--past", type=float, default=0.0, help="real time: first publish this many seconds of history at once"
+    )
     parser.add_argument(
         "--interval", type=float, default=Defaults.interval, help="backlog: seconds between a device's readings"
     )

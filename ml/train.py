@@ -37,6 +37,11 @@ LOG_STEP = "logging the run and the model to MLflow"
 """The progress line of the step that writes to MLflow (run, model, registry, alias): where a crash hurts most."""
 
 
+def span_to_train_s(spec: FeatureSpec) -> float:
+    """Seconds of event time silver must span before a model can be trained (a demo publishes that much past)."""
+    return MIN_SPAN_HISTORIES * spec.history_s
+
+
 class TrainingError(RuntimeError):
     """Training cannot run (no archive yet, too little data); the message says what to do."""
 
@@ -51,7 +56,7 @@ class ArchiveExtent:
     end: datetime | None
 
     def shortfall(self, spec: FeatureSpec) -> str | None:
-        needed = MIN_SPAN_HISTORIES * spec.history_s
+        needed = span_to_train_s(spec)
         span = (self.end - self.start).total_seconds() if self.start and self.end else 0.0
         if self.readings >= MIN_READINGS and span >= needed:
             return None
@@ -82,6 +87,14 @@ def archive_extent(settings: Settings) -> ArchiveExtent | None:
     return ArchiveExtent(
         table.version(), readings, naive_utc(oldest(table, EVENT_TIME)), naive_utc(newest(table, EVENT_TIME))
     )
+
+
+def past_to_publish_s(settings: Settings) -> float:
+    """Seconds of a fleet's past a demo publishes before going live: the span the first model needs while
+    silver is short of it (a fresh lake), none once it has enough (a resumed demo)."""
+    spec = FeatureSpec.from_settings(settings)
+    extent = archive_extent(settings)
+    return span_to_train_s(spec) if extent is None or extent.shortfall(spec) else 0.0
 
 
 def reason_to_wait(extent: ArchiveExtent | None, spec: FeatureSpec, trained_on: int | None) -> str | None:

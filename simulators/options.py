@@ -33,6 +33,9 @@ class SimulationOptions:
     """Seconds: simulated time in backlog mode, wall time in real-time mode."""
     rate: float | None = None
     """Events per second; when set, real-time pacing with event_time = wall clock."""
+    past: float = 0.0
+    """Real-time mode: seconds of history before now, published at once before pacing starts (one simulation,
+    so the past and the live readings continue each other): a demo's first model can train immediately."""
     interval: float = 1.0
     """Backlog mode: seconds of simulated time between two readings of a device."""
     start: datetime | None = None
@@ -77,9 +80,13 @@ class SimulationOptions:
         if not 0.0 <= self.anomaly_fraction < 1.0:
             raise ValueError(f"anomaly fraction must be in [0, 1), not {self.anomaly_fraction}")
         _ = self.fault_rates  # building FaultRates validates the fault fractions
+        if not (self.past >= 0 and math.isfinite(self.past)):
+            raise ValueError(f"past must be a non-negative number of seconds, not {self.past}")
         if self.realtime:
             if self.start is not None:
                 raise ValueError("start applies to backlog mode only: real-time event times are the wall clock")
+        elif self.past:
+            raise ValueError("past applies to real-time mode only: a backlog's history is set by start and duration")
         elif self.events is None and self.duration is None:
             raise ValueError(
                 "backlog mode needs events or duration to know when to stop; "
@@ -142,9 +149,9 @@ def plan_stream(settings: Settings, options: SimulationOptions, now_ms: int) -> 
         )
     if options.realtime:
         assert options.rate is not None
-        start_ms = now_ms
+        start_ms = now_ms - round(options.past * 1000)
         interval = options.devices / options.rate
-        end_ms = None if options.duration is None else start_ms + round(options.duration * 1000)
+        end_ms = None if options.duration is None else now_ms + round(options.duration * 1000)
     else:
         interval = options.interval
         if options.start is not None:

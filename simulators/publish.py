@@ -364,12 +364,8 @@ class Publisher:
         summary: SimulationSummary,
         progress: Progress,
         stop: StopRequest,
-        stamp_send_time: bool,
     ) -> None:
         self.producer = producer
-        self.stamp_send_time = stamp_send_time
-        """Backlog mode: the Kafka timestamp is the simulated send time, consistent with event times, so
-        clock-skew checks (event time vs Kafka timestamp) see the simulated world."""
         self.ledger = ledger
         self.truth = truth
         self.topic = topic
@@ -387,6 +383,10 @@ class Publisher:
     def send(self, batch: SendBatch, paced: bool) -> int:
         """Produce ``batch`` in order; paced, each record waits for its send time on the wall clock.
 
+        A record's Kafka timestamp is its simulated send time, in every mode: a backlog's, a real-time run's
+        past, and a live record's due time even when publishing runs behind. Lateness (Kafka time minus event
+        time) and clock-skew checks then see the simulated world, which the ground truth records.
+
         Returns how many records were produced: all of them, unless a stop was requested first.
         """
         produce, topic, keys = self.producer.produce, self.topic, self.device_keys
@@ -402,23 +402,14 @@ class Publisher:
                 else:
                     hi = min(n, lo + POLL_EVERY)
                 devices, parts = batch.device[lo:hi].tolist(), partitions[lo:hi].tolist()
-                if self.stamp_send_time:
-                    stamps = np.minimum(batch.send_ms[lo:hi], now_ms() + MAX_STAMP_AHEAD_MS).tolist()
-                    for attempted, value, device, partition, stamp in zip(  # noqa: B007 (read on interrupt)
-                        range(lo + 1, hi + 1), payloads[lo:hi], devices, parts, stamps, strict=True
-                    ):
-                        try:
-                            produce(topic, value, keys[device], partition, timestamp=stamp)
-                        except BufferError:
-                            self._produce_when_room(value, keys[device], partition, stamp)
-                else:
-                    for attempted, value, device, partition in zip(  # noqa: B007 (read on interrupt)
-                        range(lo + 1, hi + 1), payloads[lo:hi], devices, parts, strict=True
-                    ):
-                        try:
-                            produce(topic, value, keys[device], partition)
-                        except BufferError:
-                            self._produce_when_room(value, keys[device], partition, None)
+                stamps = np.minimum(batch.send_ms[lo:hi], now_ms() + MAX_STAMP_AHEAD_MS)
+                for attempted, value, device, partition, stamp in zip(  # noqa: B007 (read on interrupt)
+                    range(lo + 1, hi + 1), payloads[lo:hi], devices, parts, stamps.tolist(), strict=True
+                ):
+                    try:
+                        produce(topic, value, keys[device], partition, timestamp=stamp)
+                    except BufferError:
+                        self._produce_when_room(value, keys[device], partition, stamp)
                 lo = hi
                 self.producer.poll(0)
                 self._collect()
@@ -449,14 +440,13 @@ class Publisher:
             self._collect()
         return False
 
-    def _produce_when_room(self, value: bytes, key: bytes, partition: int, stamp: int | None) -> None:
+    def _produce_when_room(self, value: bytes, key: bytes, partition: int, stamp: int) -> None:
         """The local queue is full: serve delivery reports until the record fits."""
-        extra = {} if stamp is None else {"timestamp": stamp}
         while True:
             self.producer.poll(0.05)
             self._collect()
             try:
-                self.producer.produce(self.topic, value, key, partition, **extra)
+                self.producer.produce(self.topic, value, key, partition, timestamp=stamp)
                 return
             except BufferError:
                 continue
@@ -625,7 +615,6 @@ def simulate(
         summary,
         progress,
         stop,
-        stamp_send_time=not options.realtime,
     )
     started = time.monotonic()
     try:

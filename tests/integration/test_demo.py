@@ -19,7 +19,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from iotmon import broker
@@ -73,8 +75,8 @@ def _listening(port: int) -> bool:
 def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
     base_settings: Settings, tmp_path: Path, browser: Any
 ) -> None:
-    # The demo's own settings, except a short feature history: the trainer starts after 20 s of data instead
-    # of 4 minutes. The first model is trained as soon as there is enough data; retraining follows every 5
+    # The demo's own settings, except a short feature history: the first model needs 20 s of silver instead of
+    # 4 minutes, so the demo publishes a past of 20 s. The first model is trained as soon as there is enough data; retraining follows every 5
     # minutes, as in the real demo, so a trainer busy back to back does not starve the stream of one of the
     # machine's two cores.
     settings = dataclasses.replace(
@@ -89,7 +91,7 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
         *(sys.executable, "-m", "iotmon.cli", "demo", "--fresh"),
         *("--devices", str(DEVICES), "--rate", str(RATE)),
     ]
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     with log.open("w") as out:  # a session of its own: a failed test can stop the demo and all it started
         demo = subprocess.Popen(
             command, env=cli_env(settings), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -152,7 +154,11 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
     assert "delivered  " in text_out  # the simulator's summary reached the user
     assert "  PROMOTED: " in text_out, "the periodic trainer's report of the champion it promoted"
     assert not broker.status(settings).running
-    assert list((tmp_path / "truth").glob("demo-*.parquet"))
+    # A fresh demo first publishes the past its first model needs (4 feature histories), then goes live.
+    assert "after their last 20s of readings at once" in text_out, output()
+    (truth,) = (tmp_path / "truth").glob("demo-*.parquet")
+    first_event = pc.min(pq.read_table(truth, columns=["event_time"]).column("event_time")).as_py()
+    assert first_event.timestamp() <= started_at - 19, "the past precedes the demo's start"
     assert not list((tmp_path / "truth").glob("*.live"))  # the simulator's live truth is cleaned up
     trainer = re.search(r"trainer: retrains every 5 minutes .*\(pid (\d+)\)", text_out)
     assert trainer, output()

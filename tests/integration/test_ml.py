@@ -15,9 +15,9 @@ from iotmon.config import Settings
 from iotmon.queries import run_until_idle
 from iotmon.schema import ANOMALIES, SILVER
 from ml import registry
-from ml.features import FEATURE_VERSION
+from ml.features import FEATURE_VERSION, FeatureSpec
 from ml.model import ModelParams
-from ml.train import TrainingError, TrainOptions, archive_extent, train
+from ml.train import TrainingError, TrainOptions, archive_extent, past_to_publish_s, span_to_train_s, train
 from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
@@ -49,8 +49,11 @@ def _keys(spark: SparkSession, settings: Settings, table: str):
 
 def test_trainer_refuses_an_empty_archive_with_a_reason(isolated: Settings, spark: SparkSession) -> None:
     assert archive_extent(isolated) is None
+    needed = span_to_train_s(FeatureSpec.from_settings(isolated))
+    assert past_to_publish_s(isolated) == needed > 0, "a fresh demo publishes the past its first model needs"
     ensure_tables(spark, isolated)  # silver exists but holds nothing yet: the demo's first seconds
     assert archive_extent(isolated).readings == 0
+    assert past_to_publish_s(isolated) == needed
     with pytest.raises(TrainingError, match=r"holds 0 readings .* training needs 1,000"):
         train(spark, isolated, TrainOptions(params=ModelParams()))
     assert registry.champion(isolated) is None
@@ -89,6 +92,7 @@ def test_trainer_registers_promotes_and_keeps_the_champion_against_worse_or_brok
     # The periodic trainer's Spark-free look at silver sees what the run read.
     extent = archive_extent(settings)
     assert (extent.readings, extent.start, extent.end) == (first.readings, first.data_start, first.data_end)
+    assert past_to_publish_s(settings) == 0.0, "a resumed demo's silver already spans enough: no past"
     assert first.metrics["f1"] > 0.6, first.report()
     assert registry.champion(settings).version == 1
     run = registry.tracking(settings).get_run(first.run_id)

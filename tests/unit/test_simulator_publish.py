@@ -321,6 +321,27 @@ def test_real_time_paces_on_the_wall_clock(tmp_path: Path) -> None:
     assert truth.filter(pc.equal(truth.column("late_kind"), "very_late")).num_rows == 0, "no reading is 2 min old"
 
 
+def test_real_time_past_is_sent_at_once_with_its_own_send_times(tmp_path: Path) -> None:
+    began = datetime.now(UTC)
+    summary, producer, truth = run(tmp_path, devices=50, rate=500.0, past=20.0, duration=1.0, start=None)
+    ended = datetime.now(UTC)
+    assert (ended - began).total_seconds() < 10, "20 s of past are not paced on the wall clock"
+    event = np.array([t.timestamp() for t in truth.column("event_time").to_pylist()])
+    assert event.min() < began.timestamp() - 19 and event.max() <= ended.timestamp()
+    assert 9_500 <= summary.sent <= 12_000, summary.sent  # 21 s at 500 events/s
+    stamps = [producer.log[(r["partition"], r["offset"])][2] for r in truth.to_pylist() if r["delivered"]]
+    sends = [int(r["send_time"].timestamp() * 1000) for r in truth.to_pylist() if r["delivered"]]
+    assert stamps == sends, "every record carries its simulated send time, past and live alike"
+    assert sum(send < began.timestamp() * 1000 - 50 for send in sends) > 8_000, "the past: sent at once"
+    late = truth.filter(pc.equal(truth.column("late_kind"), "late"))
+    assert late.num_rows > 0, "the past has its late readings, as the live part does"
+
+
+def test_past_is_for_real_time_runs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="past applies to real-time mode only"):
+        run(tmp_path, devices=5, events=100, past=10.0)
+
+
 def test_backlog_needs_a_limit(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="backlog mode needs events or duration"):
         run(tmp_path, devices=5)
