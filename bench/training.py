@@ -4,6 +4,8 @@ An archive of N readings is built from one real silver table (filled by the real
 under new device ids (``<id>-r<k>``) and keeping whole devices until about N readings remain: every device
 keeps its full, realistic history, so the features cost what they would on a fleet that size. The same
 event-time span at every size means the growth measured is the fleet's, as in ``docs/measurements.md``.
+The trainer itself fits on a device sample of about ``IOTMON_TRAIN_MAX_READINGS`` readings, so beyond that
+size what grows is the scan of the archive, not the features.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from iotmon.config import Settings
 from iotmon.queries import run_until_idle
 from iotmon.schema import DEVICE_ID, SILVER
 from ml.features import FeatureSpec
-from ml.train import MIN_SPAN_HISTORIES, TrainOptions, train
+from ml.train import MIN_SPAN_HISTORIES, TrainOptions, device_sample, train
 from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
@@ -31,7 +33,6 @@ MODEL_DEVICES = 100
 MODEL_SPAN_HISTORIES = MIN_SPAN_HISTORIES + 1
 """The model archive spans one feature history more than training needs."""
 MIN_MODEL_SPAN_S = 60.0
-SAMPLE_BUCKETS = 10_000
 
 
 def model_archive_options(settings: Settings, seed: int, truth: Path) -> SimulationOptions:
@@ -75,7 +76,7 @@ def build_archive(spark: SparkSession, base_silver: str, target_rows: int, path:
     copied = base.withColumn("copy", F.explode(F.sequence(F.lit(0), F.lit(copies - 1)))).withColumn(
         DEVICE_ID, F.concat(F.col(DEVICE_ID), F.lit("-r"), F.col("copy").cast("string"))
     )
-    kept = copied.where(F.pmod(F.xxhash64(DEVICE_ID), F.lit(SAMPLE_BUCKETS)) < F.lit(share * SAMPLE_BUCKETS))
+    kept = device_sample(copied, share)
     kept.drop("copy").write.format("delta").mode("overwrite").save(path)
     return spark.read.format("delta").load(path).count()
 

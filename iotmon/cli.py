@@ -287,7 +287,9 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
                     raise TrainingError(reason)
                 spark = spark or spark_session(settings, "iotmon-train")
                 report = train(spark, settings, options)
-                trained_on = report.silver_version
+                # The next run starts a full interval after this one ended: on a busy machine a run can outlast
+                # the interval, and back-to-back runs would hold the cores the stream needs.
+                started, trained_on = time.monotonic(), report.silver_version
                 print(report.report(), flush=True)
                 if registry.champion(settings) is not None:
                     # Until the first champion nothing is scored, so that run is the most urgent work there is;
@@ -829,7 +831,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ml.model import ModelParams
 
     trainer = command("train", cmd_train, "train the anomaly model on silver, log it to MLflow, promote if not worse")
-    trainer.add_argument("--every", type=_seconds, help="retrain periodically, e.g. '10 minutes' (default: once)")
+    trainer.add_argument(
+        "--every", type=_seconds, help="retrain this long after each run ends, e.g. '10 minutes' (default: once)"
+    )
     trainer.add_argument(
         "--clusters", type=int, default=ModelParams.clusters, help=f"KMeans clusters (default {ModelParams.clusters})"
     )

@@ -317,6 +317,13 @@ class Settings:
         _parse_interval,
         "Event time before a reading that its anomaly features look at (the scorer reads as much history).",
     )
+    train_max_readings: int = _setting(
+        "TRAIN_MAX_READINGS",
+        50_000,
+        _parse_positive_int,
+        "The trainer fits on a share of the devices holding about this many readings, each device's whole "
+        "history, so training time stays flat as the archive grows.",
+    )
     model_name: str = _setting("MODEL_NAME", "iotmon-anomaly", str, "Registered MLflow model the scorer serves.")
     mlflow_tracking_uri: str | None = _setting(
         "MLFLOW_TRACKING_URI",

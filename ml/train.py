@@ -22,7 +22,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from iotmon.config import Settings
-from iotmon.schema import EVENT_TIME, SILVER
+from iotmon.schema import DEVICE_ID, EVENT_TIME, SILVER
 from ml import registry
 from ml.evaluation import detection_metrics, label_scores, truth_labels
 from ml.features import FEATURE_VERSION, MIN_HISTORY, FeatureSpec, metric_rows, model_inputs, reading_features
@@ -35,6 +35,19 @@ STEP_PREFIX = "train: "
 """Each step's progress line starts so (stderr): a supervisor can tell a working trainer from a stuck one."""
 LOG_STEP = "logging the run and the model to MLflow"
 """The progress line of the step that writes to MLflow (run, model, registry, alias): where a crash hurts most."""
+
+
+SAMPLE_BUCKETS = 10_000
+"""Devices are sampled by a hash of their id into this many buckets."""
+
+
+def device_sample(readings: DataFrame, share: float) -> DataFrame:
+    """The readings of a fixed ``share`` of the devices, chosen by a hash of the id: each kept device keeps
+    its whole history, so every kept reading has the features it has in the full archive, and a larger
+    archive keeps the devices a smaller one kept."""
+    if share >= 1.0:
+        return readings
+    return readings.where(F.pmod(F.xxhash64(DEVICE_ID), F.lit(SAMPLE_BUCKETS)) < F.lit(share * SAMPLE_BUCKETS))
 
 
 def span_to_train_s(spec: FeatureSpec) -> float:
@@ -122,6 +135,8 @@ class TrainReport:
     version: int
     silver_version: int
     readings: int
+    device_share: float
+    """The share of the devices trained and evaluated on (``IOTMON_TRAIN_MAX_READINGS``)."""
     data_start: datetime
     data_end: datetime
     threshold: float
@@ -135,7 +150,8 @@ class TrainReport:
     def report(self) -> str:
         lines = [
             f"trained {registry.EXPERIMENT} run {self.run_id}: registered version {self.version}",
-            f"  data: silver v{self.silver_version}, {self.readings:,} readings, {self.data_start} .. {self.data_end}",
+            f"  data: silver v{self.silver_version}, {self.readings:,} readings, {self.data_start} .. {self.data_end}"
+            + ("" if self.device_share >= 1.0 else f"; fitted on a {self.device_share:.0%} share of the devices"),
             f"  threshold {self.threshold:.4f}; time " + ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items()),
         ]
         if "f1" in self.metrics:
@@ -199,15 +215,19 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
 
     step = _Steps(out)
     step("read", "reading silver")
-    silver_version, silver = pinned_silver(spark, settings)
-    bounds = silver.agg(F.count("*"), F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
+    silver_version, archive = pinned_silver(spark, settings)
+    bounds = archive.agg(F.count("*"), F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
     readings, start, end = bounds[0], bounds[1], bounds[2]
     spec = FeatureSpec.from_settings(settings)
     shortfall = ArchiveExtent(silver_version, readings, start, end).shortfall(spec)
     if shortfall:
         raise TrainingError(shortfall)
+    # Training, the threshold, the evaluation and the champion's comparison all see the same devices.
+    share = min(1.0, settings.train_max_readings / readings)
+    silver = device_sample(archive, share)
     split = start + (end - start) * (1 - options.holdout)
-    step("features", f"silver v{silver_version}: {readings:,} readings {start} .. {end}; computing features")
+    sampled = "" if share >= 1.0 else f", a {share:.0%} share of the devices (IOTMON_TRAIN_MAX_READINGS)"
+    step("features", f"silver v{silver_version}: {readings:,} readings {start} .. {end}{sampled}; computing features")
     featured = reading_features(silver, spec).persist()
     training = featured.where(F.col(EVENT_TIME) < F.lit(split))
     fit_rows = model_inputs(metric_rows(training)).persist()
@@ -243,6 +263,7 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
                 "silver_path": settings.table_path(SILVER),
                 "silver_version": silver_version,
                 "readings": readings,
+                "device_share": share,
                 "data_start": start.isoformat(),
                 "data_end": end.isoformat(),
                 "holdout_start": split.isoformat(),
@@ -277,6 +298,7 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
         version,
         silver_version,
         readings,
+        share,
         start,
         end,
         threshold,

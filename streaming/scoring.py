@@ -40,6 +40,9 @@ KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset", L
 late (alerts count only readings that arrived within the watermark)."""
 PINS_KEPT = 200
 """Pins older than this many batches are deleted (Spark itself keeps 100 batches of offsets)."""
+CATCH_UP_BYTES = 2 * 1024 * 1024
+"""Silver files per batch, by size (about 60,000 readings): a scorer catching up (its first model, a restart)
+scores the backlog in several batches, each of them visible when done, instead of one batch for all of it."""
 
 
 class ModelUnavailable(RuntimeError):
@@ -183,7 +186,8 @@ def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
 def start_scoring(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
     ensure_anomalies_table(spark, settings)
     checkpoint = settings.checkpoint_path(ANOMALIES)
-    silver = spark.readStream.format("delta").load(settings.table_path(SILVER))
+    silver = spark.readStream.format("delta").option("maxBytesPerTrigger", CATCH_UP_BYTES)
+    silver = silver.load(settings.table_path(SILVER))
     return (
         silver.writeStream.queryName(ANOMALIES)
         .foreachBatch(write_scores_batch(settings))

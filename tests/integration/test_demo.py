@@ -76,9 +76,9 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
     base_settings: Settings, tmp_path: Path, browser: Any
 ) -> None:
     # The demo's own settings, except a short feature history: the first model needs 20 s of silver instead of
-    # 4 minutes, so the demo publishes a past of 20 s. The first model is trained as soon as there is enough data; retraining follows every 5
-    # minutes, as in the real demo, so a trainer busy back to back does not starve the stream of one of the
-    # machine's two cores.
+    # 4 minutes, so the demo publishes a past of 20 s. The first model is trained as soon as there is enough
+    # data; retraining follows every 5 minutes, as in the real demo, so a trainer busy back to back does not
+    # starve the stream of one of the machine's two cores.
     settings = dataclasses.replace(
         with_own_broker(base_settings, tmp_path),
         feature_history="5 seconds",

@@ -99,6 +99,7 @@ def test_trainer_registers_promotes_and_keeps_the_champion_against_worse_or_brok
     silver_version = spark.sql(f"DESCRIBE HISTORY delta.`{settings.table_path(SILVER)}`").first()["version"]
     assert run.data.params["silver_version"] == str(silver_version)
     assert run.data.params["data_start"] == first.data_start.isoformat()
+    assert float(run.data.params["device_share"]) == first.device_share
     assert float(registry.champion(settings).threshold) == pytest.approx(first.threshold)
 
     # A challenger that flags a third of all readings: registered, compared on the same holdout, refused.
@@ -137,8 +138,10 @@ def test_scorer_scores_every_reading_and_follows_a_promotion_without_restart(arc
         wait_for(lambda: _keys(spark, settings, ANOMALIES).count() >= silver_rows, 240, "first scores")
         first_batches = len(query.recentProgress)
 
-        # A data scientist promotes a new version while the scorer runs; then new readings arrive.
-        assert train(spark, settings, TrainOptions(promote=True)).version == 2
+        # A data scientist promotes a new version while the scorer runs; then new readings arrive. This one is
+        # fitted on a fifth of the fleet's devices: the sample a large archive gets.
+        sampled = train(spark, dataclasses.replace(settings, train_max_readings=10_000), TrainOptions(promote=True))
+        assert sampled.version == 2 and 0.1 < sampled.device_share < 0.3, sampled.device_share
         _simulate(settings, settings.home / "truth-b.parquet", START + dt.timedelta(seconds=900), duration=120)
         _archive_to_silver(spark, settings)
         silver_rows = _keys(spark, settings, SILVER).count()

@@ -1,13 +1,16 @@
 """When the periodic trainer trains, and when it waits (decided from silver's extent, without Spark); when a
-new model replaces the champion."""
+new model replaces the champion; which devices it trains on."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from pyspark.sql import SparkSession
+
+from iotmon.schema import DEVICE_ID
 from ml.features import FeatureSpec
 from ml.registry import ModelRef
-from ml.train import MIN_READINGS, MIN_SPAN_HISTORIES, ArchiveExtent, _decide, reason_to_wait
+from ml.train import MIN_READINGS, MIN_SPAN_HISTORIES, ArchiveExtent, _decide, device_sample, reason_to_wait
 
 SPEC = FeatureSpec(10.0)
 START = datetime(2026, 1, 1)
@@ -61,3 +64,18 @@ def test_without_labels_only_a_first_model_or_a_forced_one_is_promoted() -> None
     assert _decide(unlabelled, None, None, force=False) == (True, "first model: no champion yet")
     assert not _decide(unlabelled, CHAMPION, None, force=False)[0]
     assert _decide(unlabelled, CHAMPION, None, force=True)[0]
+
+
+def test_a_device_sample_keeps_whole_histories_and_grows_with_its_share(spark: SparkSession) -> None:
+    readings = spark.createDataFrame(
+        [(f"dev-{d:06d}", seq) for d in range(200) for seq in range(5)], f"{DEVICE_ID} string, seq long"
+    )
+    assert device_sample(readings, 1.0) is readings
+    quarter = {
+        r[DEVICE_ID]: r["n"]
+        for r in device_sample(readings, 0.25).groupBy(DEVICE_ID).count().withColumnRenamed("count", "n").collect()
+    }
+    half = {r[DEVICE_ID] for r in device_sample(readings, 0.5).select(DEVICE_ID).distinct().collect()}
+    assert set(quarter.values()) == {5}, "a kept device keeps all its readings"
+    assert 25 <= len(quarter) <= 75 and 70 <= len(half) <= 130, (len(quarter), len(half))
+    assert set(quarter) <= half, "a larger share keeps the devices a smaller one kept"
