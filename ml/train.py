@@ -17,7 +17,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
 
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -201,12 +200,14 @@ class _Steps:
             self.current = None
 
 
-def pinned_silver(spark: SparkSession, settings: Settings) -> tuple[int, DataFrame]:
-    path = settings.table_path(SILVER)
-    if not DeltaTable.isDeltaTable(spark, path):
+def pinned_silver(spark: SparkSession, settings: Settings) -> tuple[ArchiveExtent, DataFrame]:
+    """Silver at its current version, with that version's extent from the Delta log's statistics: no scan of
+    the archive to learn what it holds."""
+    extent = archive_extent(settings)
+    if extent is None:
+        path = settings.table_path(SILVER)
         raise TrainingError(f"no silver table at {path}: run `iotmon stream` (and a simulator) first")
-    version = DeltaTable.forPath(spark, path).history(1).first()["version"]
-    return version, spark.read.format("delta").option("versionAsOf", version).load(path)
+    return extent, spark.read.format("delta").option("versionAsOf", extent.version).load(settings.table_path(SILVER))
 
 
 def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: TextIO = sys.stderr) -> TrainReport:
@@ -215,13 +216,13 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
 
     step = _Steps(out)
     step("read", "reading silver")
-    silver_version, archive = pinned_silver(spark, settings)
-    bounds = archive.agg(F.count("*"), F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
-    readings, start, end = bounds[0], bounds[1], bounds[2]
+    extent, archive = pinned_silver(spark, settings)
     spec = FeatureSpec.from_settings(settings)
-    shortfall = ArchiveExtent(silver_version, readings, start, end).shortfall(spec)
+    shortfall = extent.shortfall(spec)
     if shortfall:
         raise TrainingError(shortfall)
+    silver_version, readings, start, end = extent.version, extent.readings, extent.start, extent.end
+    assert start is not None and end is not None  # a table with readings and no statistics falls short
     # Training, the threshold, the evaluation and the champion's comparison all see the same devices.
     share = min(1.0, settings.train_max_readings / readings)
     silver = device_sample(archive, share)

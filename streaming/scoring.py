@@ -40,9 +40,10 @@ KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset", L
 late (alerts count only readings that arrived within the watermark)."""
 PINS_KEPT = 200
 """Pins older than this many batches are deleted (Spark itself keeps 100 batches of offsets)."""
-CATCH_UP_BYTES = 2 * 1024 * 1024
-"""Silver files per batch, by size (about 60,000 readings): a scorer catching up (its first model, a restart)
-scores the backlog in several batches, each of them visible when done, instead of one batch for all of it."""
+CATCH_UP_BYTES = 1024 * 1024
+"""Silver read per batch, about 30,000 readings (Delta's ``maxBytesPerTrigger``, a soft cap: a file is never
+split): a scorer catching up (its first model, a restart) scores the backlog in several batches, each visible
+when done, instead of one batch for all of it."""
 
 
 class ModelUnavailable(RuntimeError):
