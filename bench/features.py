@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     archive = synthetic_silver(spark, args.devices, args.readings).persist()
     archive.count()
     batch_start = START + dt.timedelta(seconds=args.readings - args.batch)
-    context = archive.where(F.col(EVENT_TIME) >= batch_start - dt.timedelta(seconds=spec.lookback_s))
+    context = archive.where(F.col(EVENT_TIME) >= spec.lookback_start(batch_start))
     cases = {
         f"whole archive ({args.devices * args.readings:,} readings)": reading_features(archive, spec),
         f"a {args.batch:g} s scorer batch over its {spec.lookback_s:g} s lookback": reading_features(

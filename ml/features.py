@@ -1,28 +1,36 @@
-"""Anomaly features: one set of DataFrame functions for the batch trainer and the streaming scorer.
+"""Anomaly features: one definition, computed by one numpy function, for the trainer and the streaming scorer.
 
-A reading's features depend on its device's readings in the ``history`` before it
-(``IOTMON_FEATURE_HISTORY``), and on whether *those* readings looked suspect against their own history,
-which uses the jump of each reading in it from the reading before: so on at most ``lookback = 3 x
-history`` of the device's past, and on nothing else. That bound is what
-lets the two paths agree exactly: the trainer applies ``reading_features`` to the whole archive, the
-scorer to a micro-batch plus the silver rows of the same devices in the lookback before the batch's
-first reading; each reading sees the same rows either way, so its features are the same.
+A reading's features depend only on its device's *on-time* readings in the ``history`` before it: the
+window ``(t - history, t - settle]`` (``IOTMON_FEATURE_HISTORY``, ``IOTMON_LATE_AFTER``), and on whether
+*those* readings looked suspect against their own windows, which uses the jump of each of them from the
+reading before it. So on at most ``lookback = 3 x history`` of the device's past, and on nothing else. An
+on-time reading reached Kafka within ``settle`` of its event time, so every reading of a reading's window
+reached Kafka before it: the scorer always has them, and a reading's features never change once computed.
 
 Features are per metric and scale-free, each metric measured against its device's own recent noise
 (estimated from reading-to-reading changes, which a slow trend does not inflate), so one model serves
 every metric of every device type:
 
-* ``level``: distance of the value from the history's mean, in noise units (spikes, drifts, shifts);
+* ``level``: distance of the value from the window's mean, in noise units (spikes, drifts, shifts);
 * ``step``: the jump from the latest unsuspected reading, in the same unit (spikes, episode edges);
 * ``repeats``: how many of the previous readings (up to ``REPEAT_DEPTH``) repeat the value exactly: a
   live sensor's noise does not repeat itself, a stuck one does;
 * ``spread``: the spread of the last ``SPREAD_DEPTH`` readings, in noise units (noise bursts).
 
-The history's mean and noise leave out readings that were *suspect* against a plain history (more than
+The window's mean and noise leave out readings that were *suspect* against a plain window (more than
 ``SUSPECT_AT`` noise units off, or repeating): otherwise a drift drags its own baseline along and stays
 invisible, and the readings after any anomaly are measured against a polluted history and look anomalous
 themselves. The model sees one row per (reading, metric), so it learns what a normal metric looks like;
 a reading's score is its most anomalous metric's.
+
+**How they are computed.** ``device_features`` is the definition: numpy over one device's readings in
+event-time order, vectorised (no loop per reading). Window sums are taken from prefix sums that restart at
+every ``history``-aligned bucket of event time, so a window's sum depends on the readings of its (at most
+two) buckets only, never on how much earlier history the caller passed: the trainer over the whole archive
+and the scorer over a batch and its lookback get bit-identical values. ``reading_features`` runs it per
+device on a Spark frame (``applyInArrow``): the trainer, the reconciliation and the scorer all call it.
+Spark's window functions computed the same before (``FEATURE_VERSION`` 2): a frame sorted and scanned
+several times per batch, 1 ms of CPU per reading (docs/cost-model.md); numpy takes microseconds.
 """
 
 from __future__ import annotations
@@ -31,35 +39,44 @@ import datetime as dt
 import math
 from dataclasses import dataclass
 
-from pyspark.sql import Column, DataFrame, Window
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import DoubleType, StructField, StructType
 
 from iotmon.config import Settings, interval_seconds
 from iotmon.schema import DEVICE_ID, EVENT_TIME, LATENESS, METRIC_NAMES, ON_TIME, SEQ
 
-FEATURE_VERSION = 2
+FEATURE_VERSION = 3
 """Bumped whenever the features change meaning: a model trained on other features is not served."""
 FEATURE_COLUMNS: tuple[str, ...] = ("level", "step", "repeats", "spread")
 REPEAT_DEPTH = 5
 SPREAD_DEPTH = 5
 SUSPECT_AT = 4.0
-"""Noise multiples from the history's mean (or from the previous reading) that make a reading suspect."""
+"""Noise multiples from the window's mean (or from the previous reading) that make a reading suspect."""
 SUSPECT_REPEATS = 2
 MIN_HISTORY = 5
-"""Reading-to-reading changes a history needs before its noise estimate is trusted."""
+"""Reading-to-reading changes a window needs before its noise estimate is trusted."""
 RESOLUTION = 0.01
 """Smallest difference a reading can show (the simulator sends two decimals); the floor of the noise."""
-PREVIOUS_ROWS = 16
-"""Rows looked back through for the previous values: enough for devices reporting up to 16 times within
-the settle time."""
-_MICROS, _ON_TIME = "_event_us", "_on_time"
+_NOISE_PER_JUMP = math.sqrt(math.pi) / 2
+"""For white noise E|x_t - x_t-1| = 2 sigma / sqrt(pi)."""
+_PREVIOUS = max(REPEAT_DEPTH, SPREAD_DEPTH - 1)
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def _epoch_us(moment: dt.datetime) -> int:
+    """A naive UTC time (as Spark hands them to Python) in epoch microseconds."""
+    return (moment.replace(tzinfo=dt.UTC) - _EPOCH) // dt.timedelta(microseconds=1)
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
     history_s: float = 60.0
     settle_s: float = 1.0
-    """Readings of the last ``settle_s`` before a reading, and late ones, are not in its history: an
+    """On-time readings of the last ``settle_s`` before a reading, and late ones, are not in its window: an
     on-time reading older than that had reached Kafka before it, so the scorer always has it too."""
 
     def __post_init__(self) -> None:
@@ -68,137 +85,200 @@ class FeatureSpec:
 
     @property
     def lookback_s(self) -> float:
-        """History a reading's features depend on: its own, that of the readings in it (suspicion), and
-        the reading before each of *those* (their jumps)."""
+        """History a reading's features depend on: its own window, the windows of the readings in it
+        (suspicion), and the reading before each of *those* (their jumps)."""
         return 3 * self.history_s
+
+    @property
+    def history_us(self) -> int:
+        return round(self.history_s * 1_000_000)
+
+    @property
+    def settle_us(self) -> int:
+        return round(self.settle_s * 1_000_000)
+
+    def lookback_start_us(self, first_us: int) -> int:
+        """Where the readings a feature from ``first_us`` on depends on begin: the start of the bucket holding
+        ``first_us - lookback``, so that every window sum sees whole buckets."""
+        return (first_us - 3 * self.history_us) // self.history_us * self.history_us
+
+    def lookback_start(self, first: dt.datetime) -> dt.datetime:
+        """``lookback_start_us`` for a naive UTC time, as Spark hands timestamps to Python."""
+        start_us = self.lookback_start_us(_epoch_us(first))
+        return (_EPOCH + dt.timedelta(microseconds=start_us)).replace(tzinfo=None)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FeatureSpec:
         return cls(interval_seconds(settings.feature_history), interval_seconds(settings.late_after))
 
 
-def _previous_column(metric: str, lag: int) -> str:
-    return f"_{metric}_{lag}"
+# -- The definition: one device, numpy ----------------------------------------------------------------------
 
 
-def _with_previous(readings: DataFrame, spec: FeatureSpec) -> DataFrame:
-    """Add each metric's previous values in the history, ``_<metric>_<k>`` for the k-th latest (null when
-    there is none): the latest on-time readings at least ``settle_s`` and at most ``history_s`` older."""
-    # Ascending, like the history window, so one sort serves both; the list is reversed to newest first.
-    before = Window.partitionBy(DEVICE_ID).orderBy(_MICROS, SEQ).rowsBetween(-PREVIOUS_ROWS, -1)
-    now = F.col(_MICROS)
-    earlier = F.collect_list(F.struct(F.col(_MICROS).alias("us"), F.col(_ON_TIME).alias("ok"), *METRIC_NAMES))
-    candidates = F.filter(
-        F.reverse(earlier.over(before)),
-        lambda r: (
-            r["ok"]
-            & (r["us"] <= now - int(spec.settle_s * 1_000_000))
-            & (r["us"] > now - int(spec.history_s * 1_000_000))
-        ),
-    )
-    depth = max(REPEAT_DEPTH, SPREAD_DEPTH - 1)
-    with_candidates = readings.withColumn("_previous", candidates)
-    columns = {
-        _previous_column(metric, lag): F.try_element_at("_previous", F.lit(lag))[metric]
-        for lag in range(1, depth + 1)
-        for metric in METRIC_NAMES
-    }
-    return with_candidates.withColumns(columns).drop("_previous")
+class _WindowSums:
+    """Sums over index ranges ``[lo, hi)`` of a device's on-time readings, from prefix sums restarting at
+    every bucket of ``history``: a window (shorter than a bucket) spans at most two buckets, and its sum
+    depends on nothing outside them."""
+
+    def __init__(self, event_us: np.ndarray, bucket_us: int) -> None:
+        n = len(event_us)
+        bucket = event_us // bucket_us
+        starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]]) if n else np.empty(0, dtype=np.int64)
+        ends = np.r_[starts[1:], n].astype(np.int64)
+        self._segments = list(zip(starts.tolist(), ends.tolist(), strict=True))
+        sizes = ends - starts
+        self.segment_start = np.repeat(starts, sizes)
+        self.segment_end = np.repeat(ends, sizes)
+        self.n = n
+
+    def prefix(self, values: np.ndarray) -> np.ndarray:
+        out = np.empty_like(values)
+        for start, end in self._segments:
+            np.cumsum(values[start:end], axis=0, out=out[start:end])
+        return out
+
+    def sum(self, values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``values[lo:hi].sum(axis=0)`` per window, bucket by bucket (0 for an empty window)."""
+        shape = (len(lo), *values.shape[1:])
+        if self.n == 0:
+            return np.zeros(shape)
+        prefix = self.prefix(values)
+        empty = hi <= lo
+        first = np.minimum(lo, self.n - 1)
+        last = np.maximum(hi - 1, 0)
+        start, end = self.segment_start[first], self.segment_end[first]
+        # The part in the first window's bucket: its prefix up to the window's end (or the bucket's), minus
+        # its prefix before the window's start.
+        head_end = np.minimum(last, end - 1)
+        before = np.where(_column(lo > start, values), prefix[np.maximum(lo - 1, 0)], 0.0)
+        head = prefix[head_end] - before
+        tail = np.where(_column(last >= end, values), prefix[last], 0.0)
+        return np.where(_column(empty, values), 0.0, head + tail)
 
 
-def _history_stats(value: Column, jump: Column, history: Window) -> tuple[Column, Column, Column]:
-    """Mean, noise and whether enough is known, from a history's values and reading-to-reading changes.
+def _column(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """A per-window mask shaped to broadcast against per-window, per-metric values."""
+    return mask.reshape(-1, *([1] * (like.ndim - 1)))
 
-    Noise comes from the changes, not the spread: a slow trend (daily cycle, a drifting sensor) does not
-    inflate it. For white noise E|x_t - x_t-1| = 2 sigma / sqrt(pi).
+
+def _stats(sums: _WindowSums, values: np.ndarray, jumps: np.ndarray, counted: np.ndarray, lo, hi):
+    """Mean of the counted values, noise from their jumps, and whether enough jumps are known; per window
+    and metric. ``counted`` masks the window's readings (per metric); a jump is counted where it is known."""
+    with_jump = counted & ~np.isnan(jumps)
+    count = sums.sum(counted.astype(np.float64), lo, hi)
+    jump_count = sums.sum(with_jump.astype(np.float64), lo, hi)
+    total = sums.sum(np.where(counted, values, 0.0), lo, hi)
+    jump_total = sums.sum(np.where(with_jump, jumps, 0.0), lo, hi)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(count > 0, total / count, np.nan)
+        noise = np.where(jump_count > 0, jump_total / jump_count * _NOISE_PER_JUMP, np.nan)
+    return mean, np.fmax(noise, RESOLUTION), jump_count >= MIN_HISTORY
+
+
+def device_features(
+    event_us: np.ndarray, seq: np.ndarray, values: np.ndarray, on_time: np.ndarray, spec: FeatureSpec
+) -> np.ndarray:
+    """The features of each of one device's readings: ``(n, metrics, 4)`` in ``FEATURE_COLUMNS`` order.
+
+    Readings must be sorted by (event time, seq); ``values`` is ``(n, metrics)``. Each reading's features
+    are right when the readings passed include the device's readings from ``spec.lookback_start_us`` of it
+    on (the archive does; the scorer passes that much).
     """
-    noise = F.greatest(F.avg(jump).over(history) * (math.sqrt(math.pi) / 2), F.lit(RESOLUTION))
-    return F.avg(value).over(history), noise, F.count(jump).over(history) >= MIN_HISTORY
+    n, metrics = values.shape
+    history = np.flatnonzero(on_time)
+    h_us, h_values = event_us[history], values[history]
+    # Each reading's window: the on-time readings in (t - history, t - settle], oldest first.
+    lo = np.searchsorted(h_us, event_us - spec.history_us, side="right")
+    hi = np.searchsorted(h_us, event_us - spec.settle_us, side="right")
+    previous = np.full((n, _PREVIOUS, metrics), np.nan)
+    for k in range(1, _PREVIOUS + 1):
+        found = hi - k >= lo
+        previous[found, k - 1] = h_values[hi[found] - k]
+    jumps = np.abs(values - previous[:, 0])
+    repeats = np.zeros((n, metrics))
+    run = np.ones((n, metrics), dtype=bool)
+    for k in range(REPEAT_DEPTH):
+        run &= previous[:, k] == values
+        repeats += run
+
+    sums = _WindowSums(h_us, spec.history_us)
+    everything = np.ones_like(h_values, dtype=bool)
+    plain_mean, plain_noise, plain_known = _stats(sums, h_values, jumps[history], everything, lo, hi)
+    with np.errstate(invalid="ignore"):
+        suspect = plain_known & (
+            (np.abs(values - plain_mean) > SUSPECT_AT * plain_noise)
+            | (jumps > SUSPECT_AT * plain_noise)
+            | (repeats >= SUSPECT_REPEATS)
+        )
+    clean = ~suspect[history]
+    clean_mean, clean_noise, clean_known = _stats(sums, h_values, jumps[history], clean, lo, hi)
+    # A window made only of suspects (deep inside a long episode) falls back to the plain one.
+    mean = np.where(clean_known, clean_mean, plain_mean)
+    noise = np.where(clean_known, clean_noise, plain_noise)
+
+    # From the latest unsuspected reading of the window, so the return from a spike is not a second spike.
+    latest_clean = np.maximum.accumulate(np.where(clean, np.arange(len(history))[:, None], -1), axis=0)
+    at = np.maximum(hi - 1, 0)
+    last_clean_index = latest_clean[at] if len(history) else np.full((n, metrics), -1)
+    has_clean = (hi > lo)[:, None] & (last_clean_index >= lo[:, None])
+    last_clean = np.where(has_clean, h_values[np.maximum(last_clean_index, 0), np.arange(metrics)], values)
+
+    features = np.empty((n, metrics, len(FEATURE_COLUMNS)))
+    features[..., 0] = (values - mean) / noise
+    features[..., 1] = (values - last_clean) / noise
+    features[..., 2] = repeats
+    features[..., 3] = _spread(values, previous[:, : SPREAD_DEPTH - 1]) / noise
+    # Too short a window (a device's first readings, the return from a dropout) says nothing yet.
+    features[~plain_known] = 0.0
+    return features
 
 
-def _first_pass(metric: str, history: Window) -> dict[str, Column]:
-    """Per metric: the jump from the previous reading, the run of exact repeats, the plain history's
-    statistics (kept for the second pass), and whether the reading is suspect against them (far from the
-    mean, a big jump, or repeating itself)."""
-    value, previous, on_time = F.col(metric), F.col(_previous_column(metric, 1)), F.col(_ON_TIME)
-    jump = F.abs(value - previous)
-    mean, noise, known = _history_stats(F.when(on_time, value), F.when(on_time, jump), history)
-    # Consecutive exact repeats: the run stops at the first differing (or missing) previous value.
-    repeats, run = F.lit(0), F.lit(1)
-    for lag in range(1, REPEAT_DEPTH + 1):
-        run = run * F.coalesce((F.col(_previous_column(metric, lag)) == value).cast("int"), F.lit(0))
-        repeats = repeats + run
-    suspect = known & (
-        (F.abs(value - mean) > SUSPECT_AT * noise) | (jump > SUSPECT_AT * noise) | (repeats >= SUSPECT_REPEATS)
-    )
-    return {
-        f"_{metric}_jump": jump,
-        f"_{metric}_repeats": repeats.cast("double"),
-        f"_{metric}_plain_mean": mean,
-        f"_{metric}_plain_noise": noise,
-        f"_{metric}_plain_known": known,
-        f"_{metric}_clean": on_time & ~F.coalesce(suspect, F.lit(False)),
-    }
+def _spread(values: np.ndarray, previous: np.ndarray) -> np.ndarray:
+    """Sample standard deviation of each reading's value and its previous ones that exist."""
+    stack = np.concatenate([values[:, None], previous], axis=1)
+    present = ~np.isnan(stack)
+    count = present.sum(axis=1)
+    mean = np.where(present, stack, 0.0).sum(axis=1) / count
+    squares = np.where(present, (stack - mean[:, None]) ** 2, 0.0).sum(axis=1)
+    return np.sqrt(squares / np.maximum(count - 1, 1))
 
 
-def _spread(values: list[Column]) -> Column:
-    """Sample standard deviation of the non-null ``values``, as plain column arithmetic: array lambdas
-    get no generated code and are interpreted row by row."""
-    count, total, squares = F.lit(0), F.lit(0.0), F.lit(0.0)
-    for v in values:
-        count, total = count + v.isNotNull().cast("int"), total + F.coalesce(v, F.lit(0.0))
-    mean = total / count
-    for v in values:
-        squares = squares + F.coalesce((v - mean) * (v - mean), F.lit(0.0))
-    return F.sqrt(squares / F.greatest(count - 1, F.lit(1)))
+# -- On Spark frames --------------------------------------------------------------------------------------
+
+_FEATURE_STRUCT = StructType([StructField(name, DoubleType()) for name in FEATURE_COLUMNS])
 
 
-def _metric_features(metric: str, history: Window) -> Column:
-    """The four features against the history's unsuspected readings, so that an anomaly neither hides
-    itself (a drift dragging its own baseline) nor haunts the readings after it."""
-    value, clean = F.col(metric), F.col(f"_{metric}_clean")
-    jump = F.col(f"_{metric}_jump")
-    mean, noise, known = _history_stats(F.when(clean, value), F.when(clean, jump), history)
-    plain_mean, plain_noise, plain_known = (F.col(f"_{metric}_plain_{stat}") for stat in ("mean", "noise", "known"))
-    # A history made only of suspects (deep inside a long episode) falls back to the plain one.
-    mean, noise = F.when(known, mean).otherwise(plain_mean), F.when(known, noise).otherwise(plain_noise)
-    spread = _spread([value, *[F.col(_previous_column(metric, lag)) for lag in range(1, SPREAD_DEPTH)]])
-    # From the latest unsuspected reading, so the return from a spike is not a second spike.
-    last_clean = F.last(F.when(clean, value), ignorenulls=True).over(history)
-    features = {
-        "level": (value - mean) / noise,
-        "step": (value - F.coalesce(last_clean, value)) / noise,
-        "repeats": F.col(f"_{metric}_repeats"),
-        "spread": spread / noise,
-    }
-    # Too short a history (a device's first readings, the return from a dropout) says nothing yet.
-    return F.struct(
-        *[F.when(plain_known, features[name]).otherwise(F.lit(0.0)).alias(name) for name in FEATURE_COLUMNS]
-    )
+def featured_table(table: pa.Table, spec: FeatureSpec, since_us: int | None = None) -> pa.Table:
+    """One device's readings (Arrow, any order) with a ``f_<metric>`` struct of features each, sorted by event
+    time; with ``since_us``, only the readings from then on (the rest were history)."""
+    event_us = table.column(EVENT_TIME).cast(pa.timestamp("us")).to_numpy().astype(np.int64)
+    seq = table.column(SEQ).to_numpy()
+    order = np.lexsort((seq, event_us))
+    event_us, seq = event_us[order], seq[order]
+    values = np.column_stack([table.column(m).to_numpy() for m in METRIC_NAMES])[order].astype(np.float64)
+    on_time = pc.equal(table.column(LATENESS), ON_TIME).to_numpy(zero_copy_only=False)[order]
+    features = device_features(event_us, seq, values, on_time, spec)
+    wanted = order if since_us is None else order[event_us >= since_us]
+    if since_us is not None:
+        features = features[event_us >= since_us]
+    table = table.take(pa.array(wanted))
+    for m, name in enumerate(METRIC_NAMES):
+        fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]
+        table = table.append_column(f"f_{name}", pa.StructArray.from_arrays(fields, names=list(FEATURE_COLUMNS)))
+    return table
 
 
 def reading_features(readings: DataFrame, spec: FeatureSpec, since: dt.datetime | None = None) -> DataFrame:
     """Silver readings with one struct column of features per metric (``f_<metric>``), same rows.
 
-    ``readings`` must hold, for each reading to be featurised, its device's readings in the
-    ``spec.lookback_s`` before it (the scorer adds them; the archive has them). With ``since``, only the
-    readings at or after it are featurised and returned; the rows before it are history, and each step
-    drops those that no wanted feature depends on any more (most of a scorer's context is history).
+    ``readings`` must hold, for each reading to be featurised, its device's readings from
+    ``spec.lookback_start_us`` of it on (the scorer adds them; the archive has them). With ``since``, only
+    the readings at or after it are featurised and returned; the rows before it are history. Each device's
+    readings go to ``device_features`` as one Arrow table (``applyInArrow``: no pandas in between).
     """
-    history_us = int(spec.history_s * 1_000_000)
-    history = Window.partitionBy(DEVICE_ID).orderBy(_MICROS).rangeBetween(-history_us, -int(spec.settle_s * 1_000_000))
-
-    def still_needed(frame: DataFrame, histories_left: int) -> DataFrame:
-        if since is None:
-            return frame
-        return frame.where(F.col(_MICROS) >= F.unix_micros(F.lit(since)) - histories_left * history_us)
-
-    marked = readings.withColumns({_MICROS: F.unix_micros(EVENT_TIME), _ON_TIME: F.col(LATENESS) == ON_TIME})
-    with_previous = still_needed(_with_previous(marked, spec), 2)
-    first = with_previous.withColumns({k: v for m in METRIC_NAMES for k, v in _first_pass(m, history).items()})
-    features = {f"f_{m}": _metric_features(m, history) for m in METRIC_NAMES}
-    helpers = [c for c in first.columns if c not in readings.columns]
-    return still_needed(still_needed(first, 1).withColumns(features), 0).drop(*helpers)
+    since_us = None if since is None else _epoch_us(since)
+    schema = StructType([*readings.schema.fields, *[StructField(f"f_{m}", _FEATURE_STRUCT) for m in METRIC_NAMES]])
+    return readings.groupBy(DEVICE_ID).applyInArrow(lambda table: featured_table(table, spec, since_us), schema)
 
 
 def metric_rows(featured: DataFrame, keep: tuple[str, ...] = ()) -> DataFrame:

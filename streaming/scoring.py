@@ -88,10 +88,11 @@ def event_time_bounds(batch: DataFrame) -> tuple[dt.datetime, dt.datetime] | Non
 
 
 def history_of(
-    silver: DataFrame, batch: DataFrame, bounds: tuple[dt.datetime, dt.datetime], lookback_s: float
+    silver: DataFrame, batch: DataFrame, bounds: tuple[dt.datetime, dt.datetime], spec: FeatureSpec
 ) -> DataFrame:
-    """The silver rows a batch's features need: its devices, from ``lookback_s`` before its first reading."""
-    start = F.lit(bounds[0]) - F.expr(f"INTERVAL {int(lookback_s * 1000)} MILLISECONDS")
+    """The silver rows a batch's features need: its devices, from the lookback before its first reading
+    (``FeatureSpec.lookback_start_us``) to its last."""
+    start = F.lit(spec.lookback_start(bounds[0]))
     in_range = silver.where(F.col(EVENT_TIME).between(start, F.lit(bounds[1])))
     return in_range.join(F.broadcast(batch.select(DEVICE_ID).distinct()), DEVICE_ID, "left_semi")
 
@@ -172,7 +173,7 @@ def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
             bounds = event_time_bounds(batch)
             if bounds is None:
                 return
-            context = history_of(silver, batch, bounds, FeatureSpec(ref.feature_history_s).lookback_s)
+            context = history_of(silver, batch, bounds, FeatureSpec(ref.feature_history_s))
             if not pinned:
                 write_text(spark, pin, str(ref.version))
                 write_text(spark, f"{checkpoint}/model-pins/{batch_id - PINS_KEPT}", None)
