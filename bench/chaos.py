@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from iotmon import broker
 from iotmon.config import Settings
-from iotmon.schema import ALERTS, ANOMALIES, BRONZE, QUARANTINE
+from iotmon.schema import ALERTS, ANOMALIES, BRONZE, INGEST, QUARANTINE
 
 STREAM_KILL = "stream_kill"
 BROKER_RESTART = "broker_restart"
@@ -461,7 +461,7 @@ class ChaosRun:
 
     def _restart_broker(self, stream: Group) -> None:
         """Once the stream has archived something new, restart the broker under it."""
-        checkpoint = self.settings.checkpoint_path(BRONZE)
+        checkpoint = self.settings.checkpoint_path(INGEST)
         committed = max(batch_ids(checkpoint, "commits"), default=-1)
         self.wait(lambda: max(batch_ids(checkpoint, "commits"), default=-1) > committed, IN_FLIGHT_PATIENCE_S)
         if self.stopping.is_set():

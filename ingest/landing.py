@@ -5,15 +5,17 @@ before running it, and each table holds each batch id of a query at most once (`
 A batch interrupted anywhere (SIGKILL included) is re-run from the same offsets with the same state, and a
 table that already holds it is skipped.
 
-Three queries, each reading what it needs once:
+Two queries:
 
-* **bronze** reads Kafka and parses each record once (``ingest.bronze``): every record into bronze, those
-  that failed parsing into quarantine with the reason.
-* **silver** reads bronze's typed columns (a columnar read, several times cheaper than Kafka and the JSON
-  parse again: docs/cost-model.md), joins the registry (readings of unregistered devices go to quarantine)
-  and keeps each distinct reading once. Deduplication within the watermark is Spark's state store:
+* **ingest** reads one micro-batch of Kafka records and writes all three tables from it: every record
+  parsed (``ingest.bronze``) into bronze, those that failed parsing or name an unregistered device into
+  quarantine with the reason, and each distinct reading once into silver (``ingest.silver``: the registry
+  joined, validated, lateness classified). Deduplication within the watermark is Spark's state store:
   ``dropDuplicatesWithinWatermark`` on the reading key remembers every key for ``IOTMON_WATERMARK`` of event
-  time, so a batch learns which of its readings are new without reading silver.
+  time, so a batch learns which of its readings are new without reading silver. The plan reads the batch's
+  records twice, once whole and once for the keys the state has not seen (Spark does not share a source scan
+  between the branches of a union), which costs a second parse of each record; a chain of two queries
+  through bronze costs a second micro-batch with its fixed costs and a Delta hop (docs/cost-model.md).
 * **late_arrivals** lands the readings Kafka delivered later than the watermark (``too_late``), which no
   state remembers: silver itself is looked up for them, a slow trigger's worth at a time (a lookup costs a
   Delta snapshot, shared by all the batch's late readings).
@@ -32,6 +34,7 @@ from ingest.silver import (
     READING_KEY,
     LatenessRules,
     classify_readings,
+    classify_records,
     distinct_readings,
     rejected_rows,
     silver_rows,
@@ -46,6 +49,7 @@ from iotmon.schema import (
     DEVICES,
     DEVICES_SCHEMA,
     EVENT_TIME,
+    INGEST,
     LATE_ARRIVALS,
     LATENESS,
     QUARANTINE,
@@ -59,7 +63,7 @@ BRONZE_VERSION = "iotmon.bronzeVersion"
 """Table property of ``silver`` set by ``iotmon backfill``: silver holds bronze up to this version, so the
 late-arrivals query starting from a new checkpoint begins right after it."""
 FIRST_SEEN = "_first_seen"
-"""Marks the rows of a silver batch that are reading keys seen for the first time, not records."""
+"""Marks the rows of an ingest batch that are reading keys seen for the first time, not records."""
 BatchWriter = Callable[[DataFrame, int], None]
 
 
@@ -110,50 +114,24 @@ def first_seen_keys(readings: DataFrame, watermark: str) -> DataFrame:
     )
 
 
-def silver_candidates(bronze: DataFrame, devices: DataFrame, settings: Settings) -> DataFrame:
-    """Bronze rows -> what one silver batch needs: every parsed record classified (``ingest.silver``), plus
-    (``FIRST_SEEN``) the keys of the readings seen for the first time. Pure; on a stream the keys are state."""
+def ingest_rows(records: DataFrame, devices: DataFrame, settings: Settings) -> DataFrame:
+    """Kafka records -> what one ingest batch needs: every record as a classified bronze row
+    (``ingest.silver.classify_records``), plus (``FIRST_SEEN``) the keys of the readings seen for the first
+    time. Pure; on a stream the keys are state."""
+    bronze = parse_records(records, PayloadRules.from_settings(settings))
     lateness = LatenessRules.from_settings(settings)
-    classified = classify_readings(bronze, devices, lateness).withColumn(FIRST_SEEN, F.lit(False))
+    classified = classify_records(bronze, devices, lateness).withColumn(FIRST_SEEN, F.lit(False))
     recent = silver_rows(classify_readings(bronze, devices, lateness)).where(F.col(LATENESS) != TOO_LATE)
     return classified.unionByName(first_seen_keys(recent, settings.watermark), allowMissingColumns=True)
 
 
-def write_bronze(settings: Settings, ledger: BatchLedger) -> BatchWriter:
-    """The bronze query's ``foreachBatch``: every record, then the ones that failed parsing."""
-
-    def write(batch: DataFrame, batch_id: int) -> None:
-        batch.persist()
-        try:
-            append_once(batch, settings.table_path(BRONZE), ledger, batch_id)
-            rejects = quarantine_rows(batch)
-            if not rejects.isEmpty():
-                append_once(rejects, settings.table_path(QUARANTINE), ledger, batch_id)
-        finally:
-            batch.unpersist()
-
-    return write
-
-
-def start_bronze(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-    """Kafka -> bronze and quarantine: one read, one parse per record."""
-    checkpoint = settings.checkpoint_path(BRONZE)
-    return (
-        parse_records(kafka_records(spark, settings), PayloadRules.from_settings(settings))
-        .writeStream.queryName(BRONZE)
-        .foreachBatch(write_bronze(settings, BatchLedger(checkpoint)))
-        .option("checkpointLocation", checkpoint)
-        .trigger(**trigger)
-        .start()
-    )
-
-
-class SilverWriter:
-    """The silver query's ``foreachBatch``: the batch's new readings into silver, rejects into quarantine."""
+class IngestWriter:
+    """The ingest query's ``foreachBatch``: every record into bronze, rejects into quarantine, the batch's new
+    readings into silver; each table skipped if it already holds the batch."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.checkpoint = settings.checkpoint_path(SILVER)
+        self.checkpoint = settings.checkpoint_path(INGEST)
         self.ledger = BatchLedger(self.checkpoint)
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
@@ -162,6 +140,10 @@ class SilverWriter:
         try:
             classified = batch.where(~F.col(FIRST_SEEN))
             first_seen = batch.where(F.col(FIRST_SEEN)).select(*READING_KEY)
+            append_once(classified.select(*BRONZE_SCHEMA.fieldNames()), table(BRONZE), self.ledger, batch_id)
+            rejects = quarantine_rows(classified).unionByName(rejected_rows(classified))
+            if not rejects.isEmpty():
+                append_once(rejects, table(QUARANTINE), self.ledger, batch_id)
             readings = silver_rows(classified).where(F.col(LATENESS) != TOO_LATE)
             new = distinct_readings(readings.join(first_seen, list(READING_KEY), "left_semi"))
             watermark = planned_watermark(spark, self.checkpoint, batch_id)
@@ -172,9 +154,6 @@ class SilverWriter:
                 if not behind.isEmpty():
                     new = new.unionByName(not_in_silver(distinct_readings(behind), spark, self.settings))
             append_once(new, table(SILVER), self.ledger, batch_id)
-            rejects = rejected_rows(classified)
-            if not rejects.isEmpty():
-                append_once(rejects, table(QUARANTINE), self.ledger, batch_id)
         finally:
             batch.unpersist()
 
@@ -188,13 +167,14 @@ def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:
     return reader.load(settings.table_path(BRONZE))
 
 
-def start_silver(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-    """Bronze -> silver, deduplicated by state, joined with the static registry (a stream-static join)."""
-    rows = silver_candidates(bronze_stream(spark, settings), registry(spark, settings), settings)
+def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    """Kafka -> bronze, quarantine and silver from one micro-batch, deduplicated by state, joined with the
+    static registry (a stream-static join)."""
+    rows = ingest_rows(kafka_records(spark, settings), registry(spark, settings), settings)
     return (
-        rows.writeStream.queryName(SILVER)
-        .foreachBatch(SilverWriter(settings))
-        .option("checkpointLocation", settings.checkpoint_path(SILVER))
+        rows.writeStream.queryName(INGEST)
+        .foreachBatch(IngestWriter(settings))
+        .option("checkpointLocation", settings.checkpoint_path(INGEST))
         .trigger(**trigger)
         .start()
     )
@@ -241,7 +221,6 @@ def start_late_arrivals(spark: SparkSession, settings: Settings, trigger: Trigge
     )
 
 
-BRONZE_QUERY = QuerySpec(BRONZE, start_bronze)
-SILVER_QUERY = QuerySpec(SILVER, start_silver, source_reads=2)
-"""Its plan reads each bronze batch twice: the classified records, and the first-seen keys (state)."""
+INGEST_QUERY = QuerySpec(INGEST, start_ingest, source_reads=2)
+"""Its plan reads each Kafka batch twice: the classified records, and the first-seen keys (state)."""
 LATE_ARRIVALS_QUERY = QuerySpec(LATE_ARRIVALS, start_late_arrivals)

@@ -73,26 +73,33 @@ def lateness(delay_s: Column, rules: LatenessRules) -> Column:
     )
 
 
+def classify_records(bronze: DataFrame, devices: DataFrame, rules: LatenessRules) -> DataFrame:
+    """Every bronze row, the parsed ones with registry columns, validation and lateness; ``_reject_reason``
+    marks the parsed readings rejected here (a record that failed parsing is bronze's reject, not silver's)."""
+    registry = F.broadcast(devices.select(DEVICE_ID, *REGISTRY_COLUMNS))
+    delay_s = (F.unix_micros("kafka_timestamp") - F.unix_micros(EVENT_TIME)) / 1_000_000.0
+    parsed = F.col(PARSE_ERROR).isNull()
+    return (
+        bronze.join(registry, DEVICE_ID, "left")
+        .withColumn("out_of_range", _out_of_range())
+        .withColumn("arrival_delay_s", delay_s)
+        .withColumn(LATENESS, lateness(F.col("arrival_delay_s"), rules))
+        .withColumn(_REJECT, F.when(parsed & F.col("device_type").isNull(), F.lit(UNREGISTERED_DEVICE)))
+    )
+
+
 def classify_readings(bronze: DataFrame, devices: DataFrame, rules: LatenessRules) -> DataFrame:
     """Parsed bronze rows with registry columns, validation and lateness; ``_reject_reason`` marks rejects.
 
     Bronze's own malformed rows are not here: the archive already quarantined them.
     """
-    registry = F.broadcast(devices.select(DEVICE_ID, *REGISTRY_COLUMNS))
-    parsed = bronze.where(F.col(PARSE_ERROR).isNull())
-    delay_s = (F.unix_micros("kafka_timestamp") - F.unix_micros(EVENT_TIME)) / 1_000_000.0
-    return (
-        parsed.join(registry, DEVICE_ID, "left")
-        .withColumn("out_of_range", _out_of_range())
-        .withColumn("arrival_delay_s", delay_s)
-        .withColumn(LATENESS, lateness(F.col("arrival_delay_s"), rules))
-        .withColumn(_REJECT, F.when(F.col("device_type").isNull(), F.lit(UNREGISTERED_DEVICE)))
-    )
+    return classify_records(bronze.where(F.col(PARSE_ERROR).isNull()), devices, rules)
 
 
 def silver_rows(classified: DataFrame) -> DataFrame:
     """Accepted readings as rows of ``SILVER_SCHEMA`` (still with duplicates)."""
-    return classified.where(F.col(_REJECT).isNull()).select(*SILVER_SCHEMA.fieldNames())
+    accepted = F.col(_REJECT).isNull() & F.col(PARSE_ERROR).isNull()
+    return classified.where(accepted).select(*SILVER_SCHEMA.fieldNames())
 
 
 def rejected_rows(classified: DataFrame) -> DataFrame:

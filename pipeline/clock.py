@@ -5,9 +5,9 @@ alert clearings would wait for the next reading. The clock ticks instead: it app
 the ``stream_clock`` table, which the stateful queries read with their source (``streaming.sources``).
 
 Whether the fleet is silent is decided at the source, never downstream: a query that saw no readings for a
-while may only be behind (a stalled silver, a broker restart), and ticking then would move its watermark
+while may only be behind (a stalled scorer, a broker restart), and ticking then would move its watermark
 past readings still on their way, which it would drop. So a tick that follows a table is written only
-when Kafka holds nothing the bronze query has not read, that table holds everything read, and nothing new
+when Kafka holds nothing the ingest query has not read, that table holds everything read, and nothing new
 has arrived for ``IOTMON_IDLE_TICK_AFTER``. Its time is the newest event time seen plus the wall time since
 the last record arrived: event time advancing at the wall clock's pace, as a live fleet's does. A stalled or
 restarted upstream therefore delays windows, and never drops readings from them.
@@ -28,11 +28,12 @@ from typing import Any, TextIO
 from iotmon.config import Settings, interval_seconds
 from iotmon.ops import source_offsets
 from iotmon.queries import explain
-from iotmon.schema import ANOMALIES, BRONZE, EVENT_TIME, SILVER, STREAM_CLOCK
+from iotmon.schema import ANOMALIES, EVENT_TIME, INGEST, SILVER, STREAM_CLOCK
 from streaming.sources import FOLLOWS
 
-TICKED: dict[str, tuple[str, str]] = {SILVER: (SILVER, BRONZE), ANOMALIES: (ANOMALIES, SILVER)}
-"""Each table ticks follow, with the query writing it and the table that query reads."""
+TICKED: dict[str, tuple[str, str | None]] = {SILVER: (INGEST, None), ANOMALIES: (ANOMALIES, SILVER)}
+"""Each table ticks follow, with the query writing it and the table that query reads (None: Kafka, which a
+tick already requires the ingest query to have read whole)."""
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,11 @@ class Observed:
     """What the clock reads of the pipeline in one round."""
 
     kafka_unread: int | None
-    """Records Kafka holds that the bronze query has not read; None when Kafka cannot be asked."""
+    """Records Kafka holds that the ingest query has not read; None when Kafka cannot be asked."""
     newest_event: datetime | None
     """The newest event time silver has seen."""
     idle_s: float
-    """Wall seconds since the bronze query last read a record."""
+    """Wall seconds since the ingest query last read a record."""
     complete: Mapping[str, bool]
     """Per ticked table: whether it holds everything its query's source holds."""
 
@@ -85,7 +86,10 @@ class EventClock(threading.Thread):
         self.idle_after = interval_seconds(settings.idle_tick_after)
         self.every = interval_seconds(settings.trigger_interval)
         self.last_record_at = time.monotonic()
-        self.bronze_batch = -1
+        self.ingest_batch = -1
+        self.newest_event: datetime | None = None
+        """The newest event time the ingest query has reported: a batch without readings (Spark runs one to
+        move the watermark on) reports none."""
         self.ticks = 0
 
     def _progress(self, name: str) -> Mapping[str, Any] | None:
@@ -93,24 +97,29 @@ class EventClock(threading.Thread):
         return query.lastProgress if query is not None else None
 
     def observe(self, kafka_high: Callable[[], Mapping[int, int]], table_version: Callable[[str], int]) -> Observed:
-        bronze = self._progress(BRONZE)
-        if bronze is not None and bronze["batchId"] > self.bronze_batch:
-            self.bronze_batch = bronze["batchId"]
-            if bronze.get("numInputRows"):
+        ingest = self._progress(INGEST)
+        if ingest is not None and ingest["batchId"] > self.ingest_batch:
+            self.ingest_batch = ingest["batchId"]
+            if ingest.get("numInputRows"):
                 self.last_record_at = time.monotonic()
+        if newest := (ingest or {}).get("eventTime", {}).get("max"):
+            reported = datetime.fromisoformat(newest.replace("Z", "+00:00"))
+            self.newest_event = max(self.newest_event or reported, reported)
         try:
-            read, high = kafka_end(bronze), kafka_high()
+            read, high = kafka_end(ingest), kafka_high()
             unread = sum(max(0, offset - read.get(partition, 0)) for partition, offset in high.items())
         except Exception:  # Kafka cannot say: nothing is known to be idle
             unread = None
-        newest = (self._progress(SILVER) or {}).get("eventTime", {}).get("max")
         complete = {}
         for table, (query, source) in TICKED.items():
+            if source is None:
+                complete[table] = ingest is not None
+                continue
             end = delta_end(self._progress(query))
             complete[table] = end is not None and end > table_version(source)
         return Observed(
             kafka_unread=unread,
-            newest_event=datetime.fromisoformat(newest.replace("Z", "+00:00")) if newest else None,
+            newest_event=self.newest_event,
             idle_s=time.monotonic() - self.last_record_at,
             complete=complete,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from iotmon.config import Settings
+from iotmon.config import ConfigError, Settings
 
 
 def run_stream(settings: Settings, stop: threading.Event | None, drain_on_stop: bool = False) -> None:
@@ -21,9 +21,15 @@ def run_stream(settings: Settings, stop: threading.Event | None, drain_on_stop: 
     from ml.registry import import_mlflow
     from pipeline.clock import EventClock
     from pipeline.drain import unread_now
-    from pipeline.topology import ensure_tables, pool_weights, queries, source_reads, trigger_of
+    from pipeline.topology import ensure_tables, pool_weights, queries, retired_checkpoints, source_reads, trigger_of
 
     require_writable(settings, "lake", "checkpoints", "home")
+    if retired := retired_checkpoints(settings):
+        raise ConfigError(
+            f"{settings.checkpoint_root} holds checkpoints of queries this version replaced ({', '.join(retired)}): "
+            "its ingest query would archive every Kafka record again. Start over with `iotmon reset`, which "
+            "keeps Kafka's data for the stream to archive anew (or `make demo ARGS=--fresh`)"
+        )
     import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
     ensure_topic(settings)
     spark = spark_session(settings, "iotmon-stream", pool_weights())

@@ -4,9 +4,8 @@ One declaration, used by ``iotmon stream`` (which queries to start, with which t
 --until-idle`` and the backfill (which queries to drain or reset, in order), the bench (what each query
 reads, to tell when it has caught up) and the docs' picture (docs/topology.md)::
 
-    Kafka ──bronze──▶ bronze, quarantine
-    bronze ──silver──▶ silver, quarantine        (state-store dedup within the watermark)
-           └─late_arrivals──▶ silver             (readings later than the watermark, looked up)
+    Kafka ──ingest──▶ bronze, quarantine, silver   (parse, registry join, state-store dedup within the watermark)
+    bronze ──late_arrivals──▶ silver                (readings later than the watermark, looked up)
     silver ──device_windows──▶ device_windows, site_windows, device_sessions
            ├─device_windows_live──▶ device_windows_live
            ├─device_status──▶ device_status, device_status_changes
@@ -22,8 +21,9 @@ from dataclasses import dataclass
 
 from pyspark.sql import SparkSession
 
-from ingest.landing import BRONZE_QUERY, LATE_ARRIVALS_QUERY, SILVER_QUERY, ensure_landing_tables
+from ingest.landing import INGEST_QUERY, LATE_ARRIVALS_QUERY, ensure_landing_tables
 from iotmon.config import Settings
+from iotmon.preflight import local_directory
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     ALERTS,
@@ -75,17 +75,11 @@ class Node:
 
 TOPOLOGY: tuple[Node, ...] = (
     Node(
-        BRONZE_QUERY,
-        reads=(KAFKA,),
-        writes=(BRONZE, QUARANTINE),
-        purpose="every record once, parsed once; the ones that failed parsing quarantined with the reason",
-        weight=4,
-    ),
-    Node(
-        SILVER_QUERY,
-        reads=(BRONZE, DEVICES),
-        writes=(SILVER, QUARANTINE),
-        purpose="each distinct reading once (state-store deduplication), enriched; unregistered devices quarantined",
+        INGEST_QUERY,
+        reads=(KAFKA, DEVICES),
+        writes=(BRONZE, QUARANTINE, SILVER),
+        purpose="every record once into bronze; each distinct reading once into silver (state-store "
+        "deduplication), enriched; what failed parsing or names an unregistered device quarantined with the reason",
         weight=4,
     ),
     Node(
@@ -131,6 +125,20 @@ TOPOLOGY: tuple[Node, ...] = (
         weight=2,
     ),
 )
+
+
+RETIRED_QUERIES: tuple[str, ...] = ("bronze", "silver")
+"""Queries of earlier versions that the ingest query replaced (a bronze query reading Kafka, a silver query
+reading bronze)."""
+
+
+def retired_checkpoints(settings: Settings) -> list[str]:
+    """The retired queries whose local checkpoints a lake without an ingest checkpoint still has. Started on
+    such a lake, the ingest query would read Kafka from its first offset and archive every record again."""
+    root = local_directory(settings.checkpoint_root)
+    if root is None or (root / INGEST_QUERY.name).exists():
+        return []
+    return [name for name in RETIRED_QUERIES if (root / name / "commits").is_dir()]
 
 
 def ensure_tables(spark: SparkSession, settings: Settings) -> None:

@@ -18,7 +18,7 @@ from iotmon.config import Settings
 from iotmon.kafka import make_producer
 from iotmon.lake import run_sql
 from iotmon.queries import run_until_idle
-from iotmon.schema import BRONZE, DEVICE_TYPES, DEVICES, QUARANTINE
+from iotmon.schema import BRONZE, DEVICE_TYPES, DEVICES, INGEST, QUARANTINE
 from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
@@ -57,7 +57,7 @@ def test_backlog_is_archived_exactly_once_and_bad_records_quarantined(isolated: 
     ensure_tables(spark, isolated)
 
     drained = run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))
-    assert drained[BRONZE] == 12_000
+    assert drained[INGEST] == 12_000
 
     result = reconcile(spark, isolated, [truth])
     assert result.problems == [], result.report()
@@ -71,7 +71,7 @@ def test_backlog_is_archived_exactly_once_and_bad_records_quarantined(isolated: 
         assert row.reason.startswith(REASON_OF_KIND[row.malformed_kind]), row
 
     # Nothing new in Kafka: a second drain writes nothing.
-    assert run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))[BRONZE] == 0
+    assert run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))[INGEST] == 0
     assert spark.read.format("delta").load(isolated.table_path(BRONZE)).count() == 12_000
 
 
@@ -115,7 +115,7 @@ def test_a_second_run_appends_incrementally(isolated: Settings, spark: SparkSess
     ensure_tables(spark, isolated)
     run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))
     _simulate(isolated, second, events=4_000, seed=2)
-    assert run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))[BRONZE] == 4_000
+    assert run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))[INGEST] == 4_000
     result = reconcile(spark, isolated, [first, second])
     assert result.problems == [], result.report()
     assert result.truth is not None and result.truth.delivered == 7_000

@@ -13,7 +13,7 @@ from ingest.silver import READING_KEY
 from iotmon.config import Settings
 from iotmon.kafka import ensure_topic, make_producer
 from iotmon.queries import run_until_idle
-from iotmon.schema import BRONZE, DEVICES, DEVICES_SCHEMA, QUARANTINE, SILVER
+from iotmon.schema import BRONZE, DEVICES, DEVICES_SCHEMA, INGEST, QUARANTINE, SILVER
 from pipeline.topology import ensure_tables, queries
 from tests.bad_input import ANY_REASON, Record, acceptable_reading, draw_records, reason_codes, records
 
@@ -74,7 +74,7 @@ def test_bad_records_are_quarantined_with_their_reason_and_good_ones_reach_silve
     placed = _publish(isolated, batch, kafka_ts)
 
     drained = run_until_idle(spark, isolated, queries([SILVER, QUARANTINE]))  # raises if a query failed
-    assert drained[BRONZE] == len(batch)
+    assert drained[INGEST] == len(batch)
 
     bronze = {
         (r.partition, r.offset): r for r in spark.read.format("delta").load(isolated.table_path(BRONZE)).collect()

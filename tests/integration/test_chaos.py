@@ -22,7 +22,7 @@ from bench.chaos import (
 )
 from iotmon import broker
 from iotmon.config import Settings
-from iotmon.schema import ALERTS, ANOMALIES, BRONZE, DEVICE_STATUS, DEVICE_STATUS_CHANGES, SILVER
+from iotmon.schema import ALERTS, ANOMALIES, BRONZE, DEVICE_STATUS, DEVICE_STATUS_CHANGES, INGEST, SILVER
 from ml import registry
 from tests.support import with_own_broker
 
@@ -48,7 +48,7 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
     # it replays an ordinary batch. The seed decides which run has the broker restarted under it and which
     # kills take only the Python driver, orphaning its JVM. Then one more kill, drawn as `iotmon chaos` draws
     # them by default (query, moment and kind at random).
-    kill_in = (BRONZE, SILVER, DEVICE_STATUS, ALERTS, ANOMALIES)
+    kill_in = (INGEST, INGEST, DEVICE_STATUS, ALERTS, ANOMALIES)
     options = ChaosOptions(
         kills=len(kill_in) + 1,
         kill_in=kill_in,

@@ -27,7 +27,7 @@ from iotmon.config import Secret, Settings
 from iotmon.kafka import KafkaUnavailable, partition_offsets
 from iotmon.ops import install_progress_recorder
 from iotmon.queries import run_until_idle
-from iotmon.schema import BRONZE, QUARANTINE, QUERY_PROGRESS
+from iotmon.schema import BRONZE, INGEST, QUARANTINE, QUERY_PROGRESS
 from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
@@ -220,7 +220,7 @@ def test_archive_from_a_sasl_broker_keeps_the_password_to_kafka(
         stream_output = io.StringIO()
         with install_progress_recorder(spark, secured, flush_every=0.5):
             drained = run_until_idle(spark, secured, queries([BRONZE, QUARANTINE]), out=stream_output)
-        assert drained[BRONZE] == 2_000
+        assert drained[INGEST] == 2_000
         config = subprocess.run([*IOTMON, "config"], env=cli_env(secured), capture_output=True, text=True, timeout=60)
         assert config.returncode == 0 and "IOTMON_KAFKA_SASL_PASSWORD" in config.stdout
 
@@ -229,8 +229,8 @@ def test_archive_from_a_sasl_broker_keeps_the_password_to_kafka(
         assert result.problems == [], result.report()
         assert spark.read.format("delta").load(secured.table_path(BRONZE)).count() == 2_000
         progress = spark.read.format("delta").load(secured.table_path(QUERY_PROGRESS))
-        bronze_progress = progress.where(f"query_name = '{BRONZE}'").collect()
-        assert bronze_progress, "the bronze query's progress was recorded"
+        ingest_progress = progress.where(f"query_name = '{INGEST}'").collect()
+        assert ingest_progress, "the ingest query's progress was recorded"
     finally:
         broker.stop(secured)
 
@@ -242,7 +242,7 @@ def test_archive_from_a_sasl_broker_keeps_the_password_to_kafka(
         assert PASSWORD not in text, what
     for row in progress.collect():
         assert PASSWORD not in str(row.asDict()), row.query_name
-    assert any("Kafka" in row.progress_json for row in bronze_progress)  # the source is described, unmasked
+    assert any("Kafka" in row.progress_json for row in ingest_progress)  # the source is described, unmasked
     # Every file of the lake, the checkpoints, the run file and the broker's data and logs; the one place it
     # is stored is the broker's own configuration, readable by its owner only.
     needle = PASSWORD.encode()

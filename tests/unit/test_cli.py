@@ -95,9 +95,9 @@ def test_chaos_refuses_a_port_someone_else_listens_on(
 def test_chaos_checks_its_options(capsys: pytest.CaptureFixture) -> None:
     assert main(["chaos", "--kills", "2", "--broker-restarts", "3"]) == EXIT_ERROR
     assert "--broker-restarts must be between 0 and --kills" in capsys.readouterr().err
-    assert main(["chaos", "--kill-in", "bronze,silverr"]) == EXIT_ERROR
+    assert main(["chaos", "--kill-in", "ingest,silverr"]) == EXIT_ERROR
     assert "--kill-in: no query named silverr" in capsys.readouterr().err
-    assert main(["chaos", "--kills", "1", "--broker-restarts", "0", "--kill-in", "bronze,silver"]) == EXIT_ERROR
+    assert main(["chaos", "--kills", "1", "--broker-restarts", "0", "--kill-in", "ingest,anomalies"]) == EXIT_ERROR
     assert "--kill-in names more queries than --kills allows" in capsys.readouterr().err
 
 

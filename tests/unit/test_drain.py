@@ -46,8 +46,8 @@ def test_unread_lists_the_running_queries_behind_their_source_upstream_first() -
     versions = {BRONZE: 4, SILVER: 6, ANOMALIES: 0}
     files = {BRONZE: True, SILVER: True, ANOMALIES: False}
     progress: dict[str, Mapping[str, Any] | None] = {
-        "bronze": {"sources": [{"description": "KafkaV2[Subscribe[t]]", "endOffset": {"t": {"0": 9}}}]},
-        "silver": {"sources": [delta_source(settings.table_path(BRONZE), 5)]},
+        "ingest": {"sources": [{"description": "KafkaV2[Subscribe[t]]", "endOffset": {"t": {"0": 9}}}]},
+        "late_arrivals": {"sources": [delta_source(settings.table_path(BRONZE), 5)]},
         "device_windows": {"sources": [delta_source(settings.table_path(SILVER), 6)]},  # version 6 unread
         "alerts": None,  # anomalies has no data yet
     }
@@ -57,7 +57,7 @@ def test_unread_lists_the_running_queries_behind_their_source_upstream_first() -
         return unread(progress.get, settings, lambda: {0: high}, lambda table: (versions[table], files[table]), running)
 
     assert behind(high=9) == ["device_windows"]
-    assert behind(high=12) == ["bronze", "device_windows"]
+    assert behind(high=12) == ["ingest", "device_windows"]
     progress["device_windows"] = {"sources": [delta_source(settings.table_path(SILVER), 7)]}
     assert behind(high=9) == []
     assert {n.name for n in TOPOLOGY} >= running

@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 from iotmon.config import Settings
-from iotmon.schema import ANOMALIES, BRONZE, SILVER
+from iotmon.schema import ANOMALIES, INGEST, SILVER
 from pipeline.clock import EventClock, Observed, delta_end, kafka_end, ticks_due
 
 NEWEST = dt.datetime(2026, 11, 20, 8, 0, tzinfo=dt.UTC)
@@ -52,20 +52,18 @@ def _query(name: str, progress: dict) -> SimpleNamespace:
     return SimpleNamespace(name=name, lastProgress=progress)
 
 
-def test_the_clock_reads_idleness_from_the_bronze_query_and_completeness_from_table_versions() -> None:
-    bronze = {"batchId": 3, "numInputRows": 0, "sources": [{"endOffset": {"t": {"0": 10, "1": 4}}}]}
-    silver = {
-        "batchId": 5,
+def test_the_clock_reads_idleness_from_the_ingest_query_and_completeness_from_table_versions() -> None:
+    ingest = {
+        "batchId": 3,
+        "numInputRows": 0,
         "eventTime": {"max": "2026-11-20T08:00:00.000Z"},
-        "sources": [{"endOffset": {"reservoirVersion": 12, "index": -1}}],
+        "sources": [{"endOffset": {"t": {"0": 10, "1": 4}}}],
     }
     scorer = {"batchId": 2, "sources": [{"endOffset": {"reservoirVersion": 8, "index": -1}}]}
-    spark = SimpleNamespace(
-        streams=SimpleNamespace(active=[_query(BRONZE, bronze), _query(SILVER, silver), _query(ANOMALIES, scorer)])
-    )
+    spark = SimpleNamespace(streams=SimpleNamespace(active=[_query(INGEST, ingest), _query(ANOMALIES, scorer)]))
     clock = EventClock(spark, Settings.from_env({}), threading.Event())
     clock.last_record_at = time.monotonic() - 40
-    versions = {BRONZE: 11, SILVER: 9}
+    versions = {SILVER: 9}
     observed = clock.observe(lambda: {0: 10, 1: 4}, versions.__getitem__)
     assert observed.kafka_unread == 0 and observed.newest_event == NEWEST and observed.idle_s >= 40
     assert observed.complete == {SILVER: True, ANOMALIES: False}  # the scorer read silver up to 8 of 9
@@ -76,5 +74,9 @@ def test_the_clock_reads_idleness_from_the_bronze_query_and_completeness_from_ta
 
     assert clock.observe(broker_down, versions.__getitem__).kafka_unread is None
     # A batch that read records resets the idle time.
-    bronze.update(batchId=4, numInputRows=5)
+    ingest.update(batchId=4, numInputRows=5)
     assert clock.observe(lambda: {0: 10, 1: 4}, versions.__getitem__).idle_s < 1.0
+    # A batch without readings (Spark runs one to move the watermark on) reports no newest event time: the
+    # clock keeps the one it saw.
+    ingest.update(batchId=5, numInputRows=0, eventTime={"watermark": "2026-11-20T07:59:55.000Z"})
+    assert clock.observe(lambda: {0: 10, 1: 4}, versions.__getitem__).newest_event == NEWEST

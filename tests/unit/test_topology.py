@@ -1,0 +1,37 @@
+"""The topology's declaration: what each query reads and writes, and the guard against an earlier layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from iotmon.config import Settings
+from iotmon.schema import BRONZE, DEVICE_WINDOWS, INGEST, LATE_ARRIVALS, QUARANTINE, SILVER
+from pipeline.topology import KAFKA, TOPOLOGY, downstream_of, node, queries, retired_checkpoints
+
+
+def test_one_query_reads_kafka_and_writes_the_three_landing_tables() -> None:
+    readers = [n for n in TOPOLOGY if n.source == KAFKA]
+    assert [n.name for n in readers] == [INGEST]
+    assert set(node(INGEST).writes) == {BRONZE, QUARANTINE, SILVER}
+    assert TOPOLOGY[0].name == INGEST  # upstream first
+
+
+def test_queries_producing_a_table_include_what_is_upstream_of_it() -> None:
+    assert [q.name for q in queries([SILVER])] == [INGEST, LATE_ARRIVALS]
+    assert INGEST in {q.name for q in queries([DEVICE_WINDOWS])}
+
+
+def test_a_backfill_resets_what_reads_bronze_but_not_the_ingest_query() -> None:
+    reset = downstream_of(BRONZE)
+    assert LATE_ARRIVALS in reset and DEVICE_WINDOWS in reset and INGEST not in reset
+
+
+def test_checkpoints_of_the_retired_bronze_and_silver_queries_are_found(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    root = Path(settings.checkpoint_root)
+    assert retired_checkpoints(settings) == []
+    (root / "silver" / "commits").mkdir(parents=True)
+    (root / "bronze" / "commits").mkdir(parents=True)
+    assert retired_checkpoints(settings) == ["bronze", "silver"]
+    (root / INGEST).mkdir()  # this version has run here: the old folders are left over, not resumed
+    assert retired_checkpoints(settings) == []
