@@ -54,6 +54,8 @@ class BenchOptions:
     scale_timeout_s: float = 900.0
     train_sizes: tuple[int, ...] = (100_000, 400_000)
     steady_seconds: float = 60.0
+    steady_warmup: float = 60.0
+    """Seconds of publishing before the steady phase measures: the queries' start-up is not steady state."""
     fraction: float = 0.5
     steady_rate: float | None = None
     """Events/s of the steady phase; default ``fraction`` x the drain's sustained rate."""
@@ -213,7 +215,10 @@ def _phases(
             report["drain"] = drained
         if options.runs("steady"):
             rate = options.steady_rate or options.fraction * report["drain"]["events_per_s"]
-            log(f"steady: {rate:,.0f} events/s for {options.steady_seconds:g}s into every query at once")
+            log(
+                f"steady: {rate:,.0f} events/s into every query at once, {options.steady_warmup:g}s of warm-up "
+                f"then {options.steady_seconds:g}s measured"
+            )
             with memory.phase("steady"):
                 steady = steady_state(
                     spark,
@@ -224,6 +229,7 @@ def _phases(
                     options.devices,
                     options.seed,
                     log,
+                    options.steady_warmup,
                 )
             steady["fraction"] = None if options.steady_rate else options.fraction
             steady["memory"] = memory.peaks("steady")

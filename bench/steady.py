@@ -2,9 +2,12 @@
 
 The simulator runs as a process of its own (as in production, and so its producer does not share this
 process's interpreter with the Spark driver), publishing with event time = wall clock. The pipeline runs
-every query at once, as ``iotmon stream`` does. Once the fleet has stopped and every query has read what its
-source holds, latency is read back from the Delta logs (``bench.latency``): event -> bronze, silver and
-anomaly rows, and window end -> window row.
+every query at once, as ``iotmon stream`` does. The first ``warmup`` seconds are not measured: every query's
+first batches plan, generate and JIT-compile their code and start Python workers, all at once on two cores,
+which is a start-up figure, not a steady one. Once the fleet has stopped and every query has read what its
+source holds, latency is read back from the Delta logs (``bench.latency``) for the events after the warm-up:
+event -> bronze, silver and anomaly rows, and window end -> window row; the stream's CPU and each query's
+batches are those after the warm-up too.
 """
 
 from __future__ import annotations
@@ -68,15 +71,16 @@ def steady_state(
     devices: int,
     seed: int,
     log: Log,
+    warmup: float = 0.0,
 ) -> dict[str, Any]:
     ensure_topic(settings)
     # The registry first: silver joins it from its first batch (the simulator rewrites the same rows).
     write_device_registry(settings, devices, seed)
     truth = settings.home / "truth" / f"steady-{settings.topic}.parquet"
-    command = simulator_command(settings, rate, seconds, devices, seed, truth)
+    command = simulator_command(settings, rate, warmup + seconds, devices, seed, truth)
     published = threading.Event()
     outcome: dict[str, Any] = {}
-    since = datetime.now(UTC).replace(tzinfo=None)
+    measured = {"since": datetime.now(UTC).replace(tzinfo=None), "mark": collector.mark()}
 
     # The stream's CPU while the fleet publishes at the rate: Spark's JVM and its Python workers.
     cpu = CpuMeter(int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()))
@@ -84,8 +88,15 @@ def steady_state(
     def publish() -> None:
         try:
             started = time.monotonic()
+            fleet = subprocess.Popen(command, env=child_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                fleet.wait(timeout=warmup)  # returns early only if the fleet stopped (it failed)
+            except subprocess.TimeoutExpired:
+                log(f"steady: warm-up over after {warmup:g}s; measuring from now")
+            measured.update(since=datetime.now(UTC).replace(tzinfo=None), mark=collector.mark())
             cpu.start()
-            done = subprocess.run(command, env=child_env(settings), capture_output=True, text=True)
+            stdout, stderr = (text.decode(errors="replace") for text in fleet.communicate())
+            done = subprocess.CompletedProcess(command, fleet.returncode, stdout, stderr)
             outcome.update(cpu=cpu.stop())
             outcome.update(returncode=done.returncode, seconds=time.monotonic() - started, output=done.stdout[-2000:])
             if done.returncode != 0:
@@ -100,18 +111,20 @@ def steady_state(
     publisher.join()
     until = datetime.now(UTC).replace(tzinfo=None)
     records = topic_records(settings)
+    since = measured["since"]
     latencies = [*measure(spark, settings, since, until)]
     latencies += [window_latency(spark, settings, table, since, until) for table in WINDOW_TABLES]
     return {
         "mode": run["mode"],
         "rate": round(rate, 1),
         "seconds": seconds,
+        "warmup_seconds": warmup,
         "devices": devices,
         "records": records,
         "published_events_per_s": round(records / outcome["seconds"], 1) if outcome.get("seconds") else None,
         "simulator_exit": outcome.get("returncode"),
         "stream_cpu": outcome.get("cpu"),
-        "queries": collector.batch_costs(run["mark"]),
+        "queries": collector.batch_costs(measured["mark"]),
         "caught_up": run["caught_up"],
         "behind": run["behind"],
         "latency": [latency.to_dict() for latency in latencies],

@@ -395,6 +395,7 @@ def cmd_bench(settings: Settings, args: argparse.Namespace) -> int:
         scale_events=args.scale_events,
         train_sizes=args.train_sizes,
         steady_seconds=args.steady_seconds,
+        steady_warmup=args.steady_warmup,
         fraction=args.fraction,
         steady_rate=args.steady_rate,
         seed=args.seed,
@@ -776,6 +777,12 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=Defaults.steady_seconds,
         help=f"real-time publishing in the steady phase (default {Defaults.steady_seconds:g})",
+    )
+    parser.add_argument(
+        "--steady-warmup",
+        type=float,
+        default=Defaults.steady_warmup,
+        help=f"publishing before the steady phase measures: the queries' start-up (default {Defaults.steady_warmup:g})",
     )
     parser.add_argument(
         "--fraction",

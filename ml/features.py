@@ -163,12 +163,13 @@ def _column(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
 
 def _stats(sums: _WindowSums, values: np.ndarray, jumps: np.ndarray, counted: np.ndarray, lo, hi):
     """Mean of the counted values, noise from their jumps, and whether enough jumps are known; per window
-    and metric. ``counted`` masks the window's readings (per metric); a jump is counted where it is known."""
+    and metric. ``counted`` masks the window's readings (per metric); a jump is counted where it is known.
+    The four sums are taken side by side, one prefix pass for all of them."""
     with_jump = counted & ~np.isnan(jumps)
-    count = sums.sum(counted.astype(np.float64), lo, hi)
-    jump_count = sums.sum(with_jump.astype(np.float64), lo, hi)
-    total = sums.sum(np.where(counted, values, 0.0), lo, hi)
-    jump_total = sums.sum(np.where(with_jump, jumps, 0.0), lo, hi)
+    stacked = np.concatenate(
+        [counted, with_jump, np.where(counted, values, 0.0), np.where(with_jump, jumps, 0.0)], axis=1, dtype=np.float64
+    )
+    count, jump_count, total, jump_total = np.split(sums.sum(stacked, lo, hi), 4, axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = np.where(count > 0, total / count, np.nan)
         noise = np.where(jump_count > 0, jump_total / jump_count * _NOISE_PER_JUMP, np.nan)

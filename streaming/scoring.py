@@ -1,9 +1,10 @@
 """The streaming scorer: every silver reading scored by the champion model, into ``anomalies``, exactly once.
 
 Each micro-batch of new silver readings is featurised with ``ml.features`` exactly as the trainer
-featurises the archive: the batch's devices' silver rows in the feature lookback before the batch's
-first reading are read back and the same window functions run over them, so a reading gets the features
-it would get in training (no training/serving skew), then the model's own ``anomaly_scores``.
+featurises the archive: the same function over each device's readings in the lookback before them, which
+the scorer keeps between batches (``streaming.history``, a cache of silver: what it lacks is read from
+silver), so a reading gets the features it would get in training (no training/serving skew); then the
+model's own ``anomaly_scores``, as Spark expressions, the same as in training and in ``iotmon verify``.
 
 The model is resolved per micro-batch: the ``champion`` alias, read at every batch, so a promotion takes
 effect at the next trigger without a restart. The version a batch used is *pinned* in the checkpoint
@@ -19,21 +20,23 @@ from __future__ import annotations
 import datetime as dt
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+import pyarrow as pa
 from pyspark.ml import PipelineModel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from ingest.silver import READING_KEY
-from iotmon.config import Settings
+from iotmon.config import Settings, interval_seconds
 from iotmon.lake import BatchLedger, append_once, create_table, read_text, write_text
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, LATENESS, SILVER
 from ml import registry
 from ml.features import FeatureSpec, reading_features
 from ml.model import anomaly_scores
+from streaming.history import FEATURE_INPUTS, DeviceHistory, SilverReader
 
 KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset", LATENESS)
 """Silver columns carried into ``anomalies`` besides the reading key: where it is, where it came from and how
@@ -70,8 +73,12 @@ def scored_readings(
     batch's devices over the lookback before the batch, the batch included), ``since`` the batch's first
     event time when known, so that only readings from then on are featurised."""
     featured = reading_features(context, FeatureSpec(ref.feature_history_s), since)
-    mine = featured.join(batch.select(*READING_KEY), list(READING_KEY), "left_semi")
-    scores = anomaly_scores(mine, pipeline, keep=KEPT_COLUMNS)
+    return anomalies_of(featured.join(batch.select(*READING_KEY), list(READING_KEY), "left_semi"), pipeline, ref)
+
+
+def anomalies_of(featured: DataFrame, pipeline: PipelineModel, ref: registry.ModelRef) -> DataFrame:
+    """Featured silver readings (``f_<metric>`` columns) scored by ``ref``: rows of ``ANOMALIES_SCHEMA``."""
+    scores = anomaly_scores(featured, pipeline, keep=KEPT_COLUMNS)
     columns = {
         "threshold": F.lit(ref.threshold),
         "is_anomaly": F.col("score") > F.lit(ref.threshold),
@@ -81,20 +88,17 @@ def scored_readings(
     return scores.withColumns(columns).select(*[F.col(f.name).cast(f.dataType) for f in ANOMALIES_SCHEMA.fields])
 
 
-def event_time_bounds(batch: DataFrame) -> tuple[dt.datetime, dt.datetime] | None:
-    """A batch's first and last event time; None for an empty batch."""
-    bounds = batch.agg(F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
-    return None if bounds is None or bounds[0] is None else (bounds[0], bounds[1])
+def silver_reader(spark: SparkSession, settings: Settings) -> SilverReader:
+    """Reads what the scorer's history lacks: silver's feature columns of some devices, each from a time on."""
 
+    def read(starts: Mapping[str, int]) -> pa.Table:
+        earliest = dt.datetime(1970, 1, 1) + dt.timedelta(microseconds=min(starts.values()))
+        devices = spark.createDataFrame([(device,) for device in starts], f"{DEVICE_ID} string")
+        silver = spark.read.format("delta").load(settings.table_path(SILVER))
+        wanted = silver.where(F.col(EVENT_TIME) >= F.lit(earliest)).join(F.broadcast(devices), DEVICE_ID, "left_semi")
+        return wanted.select(*FEATURE_INPUTS).toArrow()
 
-def history_of(
-    silver: DataFrame, batch: DataFrame, bounds: tuple[dt.datetime, dt.datetime], spec: FeatureSpec
-) -> DataFrame:
-    """The silver rows a batch's features need: its devices, from the lookback before its first reading
-    (``FeatureSpec.lookback_start_us``) to its last."""
-    start = F.lit(spec.lookback_start(bounds[0]))
-    in_range = silver.where(F.col(EVENT_TIME).between(start, F.lit(bounds[1])))
-    return in_range.join(F.broadcast(batch.select(DEVICE_ID).distinct()), DEVICE_ID, "left_semi")
+    return read
 
 
 class ModelCache:
@@ -161,26 +165,21 @@ def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
     checkpoint = settings.checkpoint_path(ANOMALIES)
     path = settings.table_path(ANOMALIES)
     ledger = BatchLedger(checkpoint)
+    history = DeviceHistory(late_s=interval_seconds(settings.watermark))
 
     def write(batch: DataFrame, batch_id: int) -> None:
         spark = batch.sparkSession
         pin = f"{checkpoint}/model-pins/{batch_id}"
         pinned = read_text(spark, pin)
         ref, pipeline = serving_model(settings, int(pinned) if pinned else None)
-        silver = spark.read.format("delta").load(settings.table_path(SILVER))
-        batch.persist()
-        try:
-            bounds = event_time_bounds(batch)
-            if bounds is None:
-                return
-            context = history_of(silver, batch, bounds, FeatureSpec(ref.feature_history_s))
-            if not pinned:
-                write_text(spark, pin, str(ref.version))
-                write_text(spark, f"{checkpoint}/model-pins/{batch_id - PINS_KEPT}", None)
-            scores = scored_readings(batch, context, pipeline, ref, since=bounds[0])
-            append_once(scores, path, ledger, batch_id)
-        finally:
-            batch.unpersist()
+        readings = batch.select(*FEATURE_INPUTS, *[c for c in KEPT_COLUMNS if c not in FEATURE_INPUTS]).toArrow()
+        if readings.num_rows == 0:
+            return
+        featured = history.featured(readings, FeatureSpec(ref.feature_history_s), silver_reader(spark, settings))
+        if not pinned:
+            write_text(spark, pin, str(ref.version))
+            write_text(spark, f"{checkpoint}/model-pins/{batch_id - PINS_KEPT}", None)
+        append_once(anomalies_of(spark.createDataFrame(featured), pipeline, ref), path, ledger, batch_id)
 
     return write
 

@@ -203,7 +203,7 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     )
     check.rows_checked[LIVE_WINDOWS] = count
     check.problems += problems
-    count, problems = _anomalies_against_silver(spark, settings, silver)
+    count, problems = anomalies_against_silver(spark, settings, silver)
     if count is not None:
         check.rows_checked[ANOMALIES] = count
     check.problems += problems
@@ -308,7 +308,7 @@ def _latest_rows_problems(
     return problems
 
 
-def _anomalies_against_silver(
+def anomalies_against_silver(
     spark: SparkSession, settings: Settings, silver: DataFrame
 ) -> tuple[int | None, list[str]]:
     """Rows checked (None when there is no model yet, so nothing to check) and problems."""

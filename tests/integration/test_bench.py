@@ -47,7 +47,7 @@ def test_bench_measures_ceilings_and_the_whole_pipeline_and_reports_them(
 
     drain = written["drain"]
     rows = {q["name"]: q["rows"] for q in drain["queries"]}
-    # Bronze reads Kafka; silver (its plan reads each bronze batch twice, counted once) and late_arrivals read bronze.
+    # The ingest query reads Kafka (its plan reads each batch twice, counted once); late_arrivals reads bronze.
     assert rows["ingest"] == rows["late_arrivals"] == EVENTS
     assert not any(q["skipped"] for q in drain["queries"]), "the scorer must run with the bench's champion"
     assert rows["anomalies"] > 0.9 * EVENTS

@@ -23,6 +23,7 @@ from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from streaming import scoring
 from streaming.scoring import SCORING_QUERY, serving_model, start_scoring
+from streaming.verify import anomalies_against_silver
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
@@ -165,3 +166,8 @@ def test_scorer_scores_every_reading_and_follows_a_promotion_without_restart(arc
     flagged = anomalies.where("is_anomaly").count()
     assert 0 < flagged < silver_rows * 0.05
     assert anomalies.where("is_anomaly != (score > threshold)").isEmpty()
+    # Scored batch by batch from the scorer's history as a batch job over all of silver scores them.
+    checked, problems = anomalies_against_silver(
+        spark, settings, spark.read.format("delta").load(settings.table_path(SILVER))
+    )
+    assert problems == [] and checked == silver_rows

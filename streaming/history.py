@@ -1,0 +1,150 @@
+"""The scorer's memory between micro-batches: each device's recent silver readings, as far back as the features
+of the next readings can reach.
+
+A reading's features depend on its device's readings in the lookback before it (``ml.features``), three
+feature histories and a bucket: at 500 events/s and a one-minute history, some 100,000 silver rows for a batch
+of 1,000. Read from silver at every batch, that lookback cost the scorer seconds per batch whatever the batch's
+size. So the scorer keeps it: ``DeviceHistory`` holds each device's readings (the columns the features use),
+newest last, from the start of a whole bucket on, and drops what no reading still to come can need.
+
+It is a cache of silver, never a source of truth. A reading's features depend only on on-time readings that
+reached Kafka before it, all of which silver held before the reading's batch; so features computed from the
+cache equal those computed from silver, and from the whole archive. Whatever a batch needs that the cache
+does not hold (the scorer's first batch after a start, a device it has not seen, a reading older than what it
+keeps, such as one Kafka delivered beyond the watermark) is read from silver first, in one read for the batch.
+A replayed batch starts with an empty cache and reads silver: the same features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from iotmon.schema import DEVICE_ID, EVENT_TIME, LATENESS, METRIC_NAMES, ON_TIME, SEQ
+from ml.features import FEATURE_COLUMNS, FeatureSpec, device_features
+
+FEATURE_INPUTS: tuple[str, ...] = (DEVICE_ID, SEQ, EVENT_TIME, *METRIC_NAMES, LATENESS)
+"""The silver columns a reading's features are computed from."""
+SilverReader = Callable[[Mapping[str, int]], pa.Table]
+"""Reads silver's ``FEATURE_INPUTS`` rows of each given device from the given epoch microsecond on."""
+
+
+@dataclass
+class _Readings:
+    """One device's readings, sorted by (event time, seq), and from when on they are all there."""
+
+    event_us: np.ndarray
+    seq: np.ndarray
+    values: np.ndarray
+    on_time: np.ndarray
+    complete_from_us: int
+
+    @classmethod
+    def of(cls, table: pa.Table, complete_from_us: int) -> _Readings:
+        readings = cls(
+            _event_us(table),
+            table.column(SEQ).to_numpy().astype(np.int64),
+            np.column_stack([table.column(m).to_numpy() for m in METRIC_NAMES]).astype(np.float64),
+            pc.equal(table.column(LATENESS), ON_TIME).to_numpy(zero_copy_only=False),
+            complete_from_us,
+        )
+        return readings.merged(None)
+
+    def merged(self, other: _Readings | None) -> _Readings:
+        """These readings and ``other``'s, each once, sorted; complete from where these are (``other`` only
+        adds readings)."""
+        parts = [self] if other is None else [self, other]
+        event_us = np.concatenate([p.event_us for p in parts])
+        seq = np.concatenate([p.seq for p in parts])
+        order = np.lexsort((seq, event_us))
+        event_us, seq = event_us[order], seq[order]
+        first = np.r_[True, (event_us[1:] != event_us[:-1]) | (seq[1:] != seq[:-1])]
+        keep = order[first]
+        return _Readings(
+            event_us[first],
+            seq[first],
+            np.concatenate([p.values for p in parts])[keep],
+            np.concatenate([p.on_time for p in parts])[keep],
+            self.complete_from_us,
+        )
+
+    def since(self, start_us: int) -> _Readings:
+        at = int(np.searchsorted(self.event_us, start_us, side="left"))
+        return _Readings(
+            self.event_us[at:], self.seq[at:], self.values[at:], self.on_time[at:], max(self.complete_from_us, start_us)
+        )
+
+
+def _event_us(table: pa.Table) -> np.ndarray:
+    return table.column(EVENT_TIME).cast(pa.timestamp("us")).to_numpy().astype(np.int64)
+
+
+class DeviceHistory:
+    """Each device's recent readings (see the module docstring). A device's readings are kept from a bucket
+    boundary a lookback and a bucket behind its newest reading, and ``late_s`` more: a reading that arrives
+    that late (the watermark) still finds its lookback here."""
+
+    def __init__(self, late_s: float) -> None:
+        self.late_us = round(late_s * 1_000_000)
+        self.devices: dict[str, _Readings] = {}
+        self.silver_reads = 0
+        """How many batches had to read silver: a cold cache, or readings older than it keeps."""
+
+    def featured(self, batch: pa.Table, spec: FeatureSpec, read_silver: SilverReader) -> pa.Table:
+        """``batch`` (silver rows, ``FEATURE_INPUTS`` at least) with a ``f_<metric>`` struct of features each;
+        then the batch is remembered and what no reading still to come can need is forgotten."""
+        devices = batch.column(DEVICE_ID).to_numpy(zero_copy_only=False)
+        event_us, seq = _event_us(batch), batch.column(SEQ).to_numpy().astype(np.int64)
+        names, inverse = np.unique(devices, return_inverse=True)
+        # The batch's rows device by device, each device's in (event time, seq) order.
+        order = np.lexsort((seq, event_us, inverse))
+        bounds = np.r_[0, np.cumsum(np.bincount(inverse, minlength=len(names)))]
+        firsts = event_us[order[bounds[:-1]]]
+        starts = {str(d): spec.lookback_start_us(int(first)) for d, first in zip(names, firsts, strict=True)}
+        missing = {d: s for d, s in starts.items() if d not in self.devices or self.devices[d].complete_from_us > s}
+        if missing:
+            self._load(read_silver(missing), missing)
+        features = np.empty((batch.num_rows, len(METRIC_NAMES), len(FEATURE_COLUMNS)))
+        for i, name in enumerate(names):
+            device, rows = str(name), order[bounds[i] : bounds[i + 1]]
+            mine = _Readings.of(batch.take(pa.array(rows)), starts[device])
+            known = self.devices[device].merged(mine)
+            context = known.since(starts[device])
+            every = device_features(context.event_us, context.seq, context.values, context.on_time, spec)
+            features[rows] = every[_positions(context, mine.event_us, mine.seq)]
+            self.devices[device] = known.since(self._horizon(known, spec))
+        for m, metric in enumerate(METRIC_NAMES):
+            fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]
+            batch = batch.append_column(f"f_{metric}", pa.StructArray.from_arrays(fields, names=list(FEATURE_COLUMNS)))
+        return batch
+
+    def _horizon(self, readings: _Readings, spec: FeatureSpec) -> int:
+        """Where a device's kept readings start (a bucket boundary): what the lookback of a reading as late as
+        ``late_s`` behind the newest one reaches."""
+        newest = int(readings.event_us[-1]) if len(readings.event_us) else 0
+        return spec.lookback_start_us(newest - self.late_us)
+
+    def _load(self, table: pa.Table, starts: Mapping[str, int]) -> None:
+        """Silver's readings of the ``starts`` devices, each complete from its start on."""
+        self.silver_reads += 1
+        devices = table.column(DEVICE_ID).to_numpy(zero_copy_only=False)
+        event_us = _event_us(table)
+        for device, start in starts.items():
+            rows = np.flatnonzero((devices == device) & (event_us >= start))
+            read = _Readings.of(table.take(pa.array(rows, type=pa.int64())), start)
+            held = self.devices.get(device)
+            self.devices[device] = read if held is None else read.merged(held)
+
+
+def _positions(readings: _Readings, event_us: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Where each (event time, seq) of ``readings``' own rows sits in ``readings`` (all are there)."""
+    at = np.searchsorted(readings.event_us, event_us, side="left")
+    # Equal event times are ordered by seq: step to the matching one.
+    for i in np.flatnonzero(readings.seq[np.minimum(at, len(readings.seq) - 1)] != seq):
+        while readings.seq[at[i]] != seq[i]:
+            at[i] += 1
+    return at
