@@ -167,6 +167,7 @@ def _phases(
         "spark_driver_memory": base.spark_driver_memory,
         "shuffle_partitions": base.shuffle_partitions,
         "trigger_interval": base.trigger_interval,
+        "gold_trigger_interval": base.gold_trigger_interval,
         "final_trigger_interval": base.final_trigger_interval,
         "max_offsets_per_trigger": base.max_offsets_per_trigger,
         "watermark": base.watermark,

@@ -32,7 +32,7 @@ from ingest.landing import kafka_records
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
 from iotmon.queries import AVAILABLE_NOW, run_continuously, run_until_idle
-from pipeline.topology import KAFKA, TOPOLOGY, ensure_tables, queries, trigger_of
+from pipeline.topology import KAFKA, TOPOLOGY, ensure_tables, queries, trigger_of, triggers_line
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 
@@ -221,10 +221,7 @@ def drain_concurrently(
         raise failure[0]
     seconds = (caught_up_at or time.monotonic()) - started
     return {
-        "mode": (
-            f"concurrent (every query at once, trigger {settings.trigger_interval}, "
-            f"final windows {settings.final_trigger_interval})"
-        ),
+        "mode": f"concurrent (every query at once: {triggers_line(settings)})",
         "caught_up": caught_up_at is not None,
         "behind": lagging if caught_up_at is None else [],
         "seconds": round(seconds, 3),

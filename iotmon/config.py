@@ -248,7 +248,14 @@ class Settings:
         "TRIGGER_INTERVAL",
         "2 seconds",
         _parse_interval,
-        "Processing-time trigger of the queries whose tables are due within seconds (all but the final windows).",
+        "Processing-time trigger of the ingest query: every record in bronze and silver within seconds.",
+    )
+    gold_trigger_interval: str = _setting(
+        "GOLD_TRIGGER_INTERVAL",
+        "5 seconds",
+        _parse_interval,
+        "Processing-time trigger of the gold queries due within seconds (scores, alerts, device status, live "
+        "windows): each batch takes several ingest batches' readings for one batch's fixed costs.",
     )
     final_trigger_interval: str = _setting(
         "FINAL_TRIGGER_INTERVAL",

@@ -21,7 +21,15 @@ def run_stream(settings: Settings, stop: threading.Event | None, drain_on_stop: 
     from ml.registry import import_mlflow
     from pipeline.clock import EventClock
     from pipeline.drain import unread_now
-    from pipeline.topology import ensure_tables, pool_weights, queries, retired_checkpoints, source_reads, trigger_of
+    from pipeline.topology import (
+        ensure_tables,
+        pool_weights,
+        queries,
+        retired_checkpoints,
+        source_reads,
+        trigger_of,
+        triggers_line,
+    )
 
     require_writable(settings, "lake", "checkpoints", "home")
     if retired := retired_checkpoints(settings):
@@ -40,8 +48,7 @@ def run_stream(settings: Settings, stop: threading.Event | None, drain_on_stop: 
             return
         EventClock(spark, settings, stop).start()
         print(
-            f"streaming {settings.topic} -> {settings.lake_root} every {settings.trigger_interval} "
-            f"(final windows every {settings.final_trigger_interval}); "
+            f"streaming {settings.topic} -> {settings.lake_root} ({triggers_line(settings)}); "
             "Ctrl-C or SIGTERM stops cleanly",
             file=sys.stderr,
             flush=True,

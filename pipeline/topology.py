@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import Enum
 
 from pyspark.sql import SparkSession
 
@@ -49,6 +50,24 @@ KAFKA = "kafka"
 """What the ingest query reads: the readings topic."""
 
 
+class Budget(Enum):
+    """How soon a query's tables are due, which sets how often it runs: every batch pays fixed costs
+    (planning, the source's offsets, state commits, a Delta commit per table; docs/cost-model.md), so a query
+    runs no more often than its tables need."""
+
+    ARRIVAL = "trigger_interval"
+    """Every record in the archive within seconds of reaching Kafka (``IOTMON_TRIGGER_INTERVAL``)."""
+    SECONDS = "gold_trigger_interval"
+    """Scores, alerts, device status and live windows within seconds of silver (``IOTMON_GOLD_TRIGGER_INTERVAL``):
+    each batch takes what several ingest batches landed."""
+    WATERMARK = "final_trigger_interval"
+    """Only due once the watermark has moved on (``IOTMON_FINAL_TRIGGER_INTERVAL``): final windows and sessions,
+    readings later than the watermark."""
+
+    def interval(self, settings: Settings) -> str:
+        return getattr(settings, self.value)
+
+
 @dataclass(frozen=True)
 class Node:
     """One streaming query in the pipeline."""
@@ -58,9 +77,8 @@ class Node:
     """Its sources: the first is the one it streams from (``KAFKA`` or a table), the rest are joined in."""
     writes: tuple[str, ...]
     purpose: str
-    final: bool = False
-    """Runs every ``IOTMON_FINAL_TRIGGER_INTERVAL`` instead of ``IOTMON_TRIGGER_INTERVAL``: what it writes is
-    only due once the watermark has moved on, so running it more often would buy nothing."""
+    budget: Budget
+    """How soon what it writes is due: its trigger."""
     weight: int = 1
     """Its fair-scheduler pool's weight: the share of the cores it gets while several queries want them."""
 
@@ -80,6 +98,7 @@ TOPOLOGY: tuple[Node, ...] = (
         writes=(BRONZE, QUARANTINE, SILVER),
         purpose="every record once into bronze; each distinct reading once into silver (state-store "
         "deduplication), enriched; what failed parsing or names an unregistered device quarantined with the reason",
+        budget=Budget.ARRIVAL,
         weight=4,
     ),
     Node(
@@ -87,20 +106,21 @@ TOPOLOGY: tuple[Node, ...] = (
         reads=(BRONZE, DEVICES, SILVER),
         writes=(SILVER,),
         purpose="readings Kafka delivered later than the watermark, looked up in silver",
-        final=True,
+        budget=Budget.WATERMARK,
     ),
     Node(
         FINAL_WINDOWS_QUERY,
         reads=(SILVER, STREAM_CLOCK),
         writes=(DEVICE_WINDOWS, SITE_WINDOWS, DEVICE_SESSIONS),
         purpose="final tumbling, sliding and session windows, each written once the watermark passed it",
-        final=True,
+        budget=Budget.WATERMARK,
     ),
     Node(
         LIVE_WINDOWS_QUERY,
         reads=(SILVER, STREAM_CLOCK),
         writes=(LIVE_WINDOWS,),
         purpose="the current windows, updated in place as readings arrive",
+        budget=Budget.SECONDS,
         weight=2,
     ),
     Node(
@@ -108,6 +128,7 @@ TOPOLOGY: tuple[Node, ...] = (
         reads=(SILVER, STREAM_CLOCK),
         writes=(DEVICE_STATUS, DEVICE_STATUS_CHANGES),
         purpose="online / degraded / offline per device, with event-time timers",
+        budget=Budget.SECONDS,
         weight=2,
     ),
     Node(
@@ -115,6 +136,7 @@ TOPOLOGY: tuple[Node, ...] = (
         reads=(SILVER,),
         writes=(ANOMALIES,),
         purpose="every reading scored by the champion model",
+        budget=Budget.SECONDS,
         weight=4,
     ),
     Node(
@@ -122,6 +144,7 @@ TOPOLOGY: tuple[Node, ...] = (
         reads=(ANOMALIES, STREAM_CLOCK),
         writes=(ALERTS,),
         purpose="anomaly incidents per device, opened and cleared in event time",
+        budget=Budget.SECONDS,
         weight=2,
     ),
 )
@@ -176,13 +199,18 @@ def downstream_of(table: str) -> tuple[str, ...]:
 
 
 def trigger_of(settings: Settings) -> Callable[[QuerySpec], Trigger]:
-    """Each query's processing-time trigger (``Node.final``)."""
+    """Each query's processing-time trigger (``Node.budget``)."""
 
     def trigger(spec: QuerySpec) -> Trigger:
-        final = node(spec.name).final
-        return {"processingTime": settings.final_trigger_interval if final else settings.trigger_interval}
+        return {"processingTime": node(spec.name).budget.interval(settings)}
 
     return trigger
+
+
+def triggers_line(settings: Settings) -> str:
+    """The triggers, for a stream's first line: which queries run how often."""
+    by_budget = {b: [n.name for n in TOPOLOGY if n.budget is b] for b in Budget}
+    return "; ".join(f"{', '.join(names)} every {b.interval(settings)}" for b, names in by_budget.items() if names)
 
 
 def source_reads() -> dict[str, int]:

@@ -5,8 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from iotmon.config import Settings
-from iotmon.schema import BRONZE, DEVICE_WINDOWS, INGEST, LATE_ARRIVALS, QUARANTINE, SILVER
-from pipeline.topology import KAFKA, TOPOLOGY, downstream_of, node, queries, retired_checkpoints
+from iotmon.schema import ANOMALIES, BRONZE, DEVICE_WINDOWS, INGEST, LATE_ARRIVALS, QUARANTINE, SILVER
+from pipeline.topology import (
+    KAFKA,
+    TOPOLOGY,
+    Budget,
+    downstream_of,
+    node,
+    queries,
+    retired_checkpoints,
+    trigger_of,
+    triggers_line,
+)
 
 
 def test_one_query_reads_kafka_and_writes_the_three_landing_tables() -> None:
@@ -35,3 +45,14 @@ def test_checkpoints_of_the_retired_bronze_and_silver_queries_are_found(tmp_path
     assert retired_checkpoints(settings) == ["bronze", "silver"]
     (root / INGEST).mkdir()  # this version has run here: the old folders are left over, not resumed
     assert retired_checkpoints(settings) == []
+
+
+def test_each_query_runs_as_often_as_its_tables_are_due() -> None:
+    settings = Settings.from_env({"IOTMON_TRIGGER_INTERVAL": "1 second", "IOTMON_GOLD_TRIGGER_INTERVAL": "4 seconds"})
+    trigger = trigger_of(settings)
+    assert trigger(node(INGEST).query) == {"processingTime": "1 second"}
+    assert trigger(node(ANOMALIES).query) == {"processingTime": "4 seconds"}
+    assert trigger(node(DEVICE_WINDOWS).query) == {"processingTime": settings.final_trigger_interval}
+    assert {n.budget for n in TOPOLOGY} == set(Budget)
+    line = triggers_line(settings)
+    assert line.startswith("ingest every 1 second; ") and "anomalies" in line and "device_windows" in line
