@@ -8,21 +8,25 @@ a reading's score is that of its most anomalous metric (``top_metric``). The dec
 score quantile that flags ``contamination`` of the training readings: the expected share of anomalies,
 the one assumption an unsupervised detector cannot avoid, and a setting.
 
-The fitted pipeline is what MLflow stores; ``anomaly_scores`` applies it identically in the trainer
-(threshold, evaluation) and the streaming scorer, as column arithmetic on its fitted numbers
-(``ScoringRule``): the pipeline's own transform needs a row per metric and a regrouping per reading, which
-cost the scorer most of its time (docs/cost-model.md).
+The fitted pipeline is what MLflow stores; ``ScoringRule`` holds its fitted numbers and scores features with
+numpy, one function for the trainer (threshold, evaluation), ``iotmon verify`` and the streaming scorer:
+the pipeline's own transform needs a row per metric and a regrouping per reading, and the same arithmetic
+as a Spark expression took the scorer about a second per batch to build and analyse (docs/cost-model.md).
+On a Spark frame ``anomaly_scores`` applies it to Arrow batches (``mapInArrow``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+import pyarrow as pa
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.clustering import KMeans, KMeansModel
 from pyspark.ml.feature import RobustScaler, RobustScalerModel, VectorAssembler
-from pyspark.sql import Column, DataFrame
-from pyspark.sql import functions as F
+from pyspark.sql import DataFrame
+from pyspark.sql.types import DoubleType, StringType, StructField, StructType
 
 from iotmon.schema import DEVICE_ID, EVENT_TIME, METRIC_NAMES, SEQ
 from ml.features import (
@@ -30,7 +34,6 @@ from ml.features import (
     MODEL_INPUT_COLUMNS,
     FeatureSpec,
     metric_rows,
-    model_input,
     model_inputs,
     reading_features,
 )
@@ -93,40 +96,58 @@ class ScoringRule:
             tuple(tuple(float(x) for x in cluster) for cluster in kmeans.clusterCenters()),
         )
 
-    def metric_score(self, features: Column) -> Column:
-        """The score of one metric's feature struct (``f_<metric>``): its largest scaled deviation from the
-        nearest cluster centre."""
-        scaled = [
-            (model_input(features[name]) - F.lit(centre)) * F.lit(factor)
-            for name, centre, factor in zip(FEATURE_COLUMNS, self.centre, self.factor, strict=True)
-        ]
-        distances = [
-            sum(((x - F.lit(c)) * (x - F.lit(c)) for x, c in zip(scaled, cluster, strict=True)), F.lit(0.0))
-            for cluster in self.clusters
-        ]
-        deviations = [
-            F.greatest(*[F.abs(x - F.lit(c)) for x, c in zip(scaled, cluster, strict=True)])
-            for cluster in self.clusters
-        ]
-        score, nearest = deviations[0], distances[0]
-        for distance, deviation in zip(distances[1:], deviations[1:], strict=True):
-            score = F.when(distance < nearest, deviation).otherwise(score)
-            nearest = F.least(nearest, distance)
-        return score
+    def scores(self, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Features ``(readings, metrics, FEATURE_COLUMNS)`` -> each reading's score and its top metric's index:
+        per metric the largest scaled deviation from the nearest cluster centre, per reading its worst metric's
+        (the first of equals)."""
+        scaled = (np.log1p(np.abs(features)) - np.array(self.centre)) * np.array(self.factor)
+        score = nearest = None
+        for cluster in np.array(self.clusters):
+            offset = scaled - cluster
+            distance, deviation = (offset * offset).sum(axis=-1), np.abs(offset).max(axis=-1)
+            if score is None:
+                score, nearest = deviation, distance
+            else:
+                score = np.where(distance < nearest, deviation, score)
+                nearest = np.minimum(nearest, distance)
+        assert score is not None, "a model has at least one cluster"
+        return score.max(axis=1), score.argmax(axis=1)
 
 
 def anomaly_scores(featured: DataFrame, model: PipelineModel, keep: tuple[str, ...] = ()) -> DataFrame:
     """One row per reading of ``featured`` (the output of ``reading_features``): its key, ``keep`` columns,
-    ``score`` (its most anomalous metric's) and ``top_metric`` (that metric; the first of equals). Native Spark
-    expressions only, the same in the trainer and the streaming scorer."""
+    ``score`` (its most anomalous metric's) and ``top_metric`` (that metric; the first of equals): the same
+    numpy arithmetic as the streaming scorer (``ScoringRule``), on Arrow batches."""
     rule = ScoringRule.of(model)
-    per_metric = featured.select(
-        DEVICE_ID, SEQ, EVENT_TIME, *keep, *[rule.metric_score(F.col(f"f_{m}")).alias(f"_s_{m}") for m in METRIC_NAMES]
+    columns = [DEVICE_ID, SEQ, EVENT_TIME, *keep]
+    kept = featured.select(*columns)
+    schema = StructType(
+        [*kept.schema.fields, StructField("score", DoubleType()), StructField("top_metric", StringType())]
     )
-    score = F.greatest(*[F.col(f"_s_{m}") for m in METRIC_NAMES])
-    top = F.lit(None).cast("string")
-    for m in reversed(METRIC_NAMES):
-        top = F.when(F.col(f"_s_{m}") == F.col("score"), F.lit(m)).otherwise(top)
-    return per_metric.withColumn("score", score).select(
-        DEVICE_ID, SEQ, EVENT_TIME, *keep, "score", top.alias("top_metric")
+
+    def scored(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            yield scored_batch(pa.Table.from_batches([batch]), rule, columns).to_batches()[0]
+
+    return featured.select(*columns, *[f"f_{m}" for m in METRIC_NAMES]).mapInArrow(scored, schema)
+
+
+def feature_array(table: pa.Table) -> np.ndarray:
+    """The ``f_<metric>`` struct columns of an Arrow table as ``(readings, metrics, FEATURE_COLUMNS)``."""
+
+    def metric(name: str) -> np.ndarray:
+        struct = table.column(f"f_{name}").combine_chunks()
+        return np.column_stack([struct.field(c).to_numpy(zero_copy_only=False) for c in FEATURE_COLUMNS])
+
+    return np.stack([metric(m) for m in METRIC_NAMES], axis=1).astype(np.float64)
+
+
+def scored_batch(table: pa.Table, rule: ScoringRule, columns: list[str]) -> pa.Table:
+    """``columns`` of an Arrow table of featured readings, with ``score`` and ``top_metric``."""
+    score, top = rule.scores(feature_array(table))
+    names = np.array(METRIC_NAMES, dtype=object)[top] if len(top) else np.empty(0, dtype=object)
+    return (
+        table.select(columns)
+        .append_column("score", pa.array(score, pa.float64()))
+        .append_column("top_metric", pa.array(names, pa.string()))
     )

@@ -29,8 +29,9 @@ from ml.features import FEATURE_COLUMNS, FeatureSpec, device_features
 
 FEATURE_INPUTS: tuple[str, ...] = (DEVICE_ID, SEQ, EVENT_TIME, *METRIC_NAMES, LATENESS)
 """The silver columns a reading's features are computed from."""
-SilverReader = Callable[[Mapping[str, int]], pa.Table]
-"""Reads silver's ``FEATURE_INPUTS`` rows of each given device from the given epoch microsecond on."""
+SilverReader = Callable[[Mapping[str, int], int], pa.Table]
+"""Reads silver's ``FEATURE_INPUTS`` rows of each given device from the given epoch microsecond on, up to the
+second argument (epoch microseconds, included)."""
 
 
 @dataclass
@@ -42,9 +43,13 @@ class _Readings:
     values: np.ndarray
     on_time: np.ndarray
     complete_from_us: int
+    newest_scored_us: int = -1
+    """The newest reading of the device a batch has had: what decides what is still needed (readings read from
+    silver ahead of it are kept, and need nothing)."""
 
     @classmethod
     def of(cls, table: pa.Table, complete_from_us: int) -> _Readings:
+        """Readings from silver rows, complete from ``complete_from_us`` on."""
         readings = cls(
             _event_us(table),
             table.column(SEQ).to_numpy().astype(np.int64),
@@ -70,12 +75,20 @@ class _Readings:
             np.concatenate([p.values for p in parts])[keep],
             np.concatenate([p.on_time for p in parts])[keep],
             self.complete_from_us,
+            max(p.newest_scored_us for p in parts),
         )
 
-    def since(self, start_us: int) -> _Readings:
+    def between(self, start_us: int, end_us: int | None = None) -> _Readings:
+        """The readings from ``start_us`` on (to ``end_us``, included, when given)."""
         at = int(np.searchsorted(self.event_us, start_us, side="left"))
+        to = len(self.event_us) if end_us is None else int(np.searchsorted(self.event_us, end_us, side="right"))
         return _Readings(
-            self.event_us[at:], self.seq[at:], self.values[at:], self.on_time[at:], max(self.complete_from_us, start_us)
+            self.event_us[at:to],
+            self.seq[at:to],
+            self.values[at:to],
+            self.on_time[at:to],
+            max(self.complete_from_us, start_us),
+            self.newest_scored_us,
         )
 
 
@@ -107,16 +120,18 @@ class DeviceHistory:
         starts = {str(d): spec.lookback_start_us(int(first)) for d, first in zip(names, firsts, strict=True)}
         missing = {d: s for d, s in starts.items() if d not in self.devices or self.devices[d].complete_from_us > s}
         if missing:
-            self._load(read_silver(missing), missing)
+            self._load(read_silver(missing, int(event_us.max())), missing)
         features = np.empty((batch.num_rows, len(METRIC_NAMES), len(FEATURE_COLUMNS)))
         for i, name in enumerate(names):
             device, rows = str(name), order[bounds[i] : bounds[i + 1]]
             mine = _Readings.of(batch.take(pa.array(rows)), starts[device])
+            mine.newest_scored_us = int(mine.event_us[-1])
             known = self.devices[device].merged(mine)
-            context = known.since(starts[device])
+            # Features only look back: what silver held beyond the batch's newest reading plays no part.
+            context = known.between(starts[device], mine.newest_scored_us)
             every = device_features(context.event_us, context.seq, context.values, context.on_time, spec)
             features[rows] = every[_positions(context, mine.event_us, mine.seq)]
-            self.devices[device] = known.since(self._horizon(known, spec))
+            self.devices[device] = known.between(self._horizon(known, spec))
         for m, metric in enumerate(METRIC_NAMES):
             fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]
             batch = batch.append_column(f"f_{metric}", pa.StructArray.from_arrays(fields, names=list(FEATURE_COLUMNS)))
@@ -124,17 +139,22 @@ class DeviceHistory:
 
     def _horizon(self, readings: _Readings, spec: FeatureSpec) -> int:
         """Where a device's kept readings start (a bucket boundary): what the lookback of a reading as late as
-        ``late_s`` behind the newest one reaches."""
-        newest = int(readings.event_us[-1]) if len(readings.event_us) else 0
-        return spec.lookback_start_us(newest - self.late_us)
+        ``late_s`` behind the newest one scored reaches."""
+        return spec.lookback_start_us(readings.newest_scored_us - self.late_us)
 
     def _load(self, table: pa.Table, starts: Mapping[str, int]) -> None:
         """Silver's readings of the ``starts`` devices, each complete from its start on."""
         self.silver_reads += 1
         devices = table.column(DEVICE_ID).to_numpy(zero_copy_only=False)
         event_us = _event_us(table)
+        order = np.argsort(devices, kind="stable")
+        names, firsts = np.unique(devices[order], return_index=True)
+        ends = [*firsts[1:].tolist(), len(order)]
+        bounds = {name: (first, end) for name, first, end in zip(names.tolist(), firsts.tolist(), ends, strict=True)}
         for device, start in starts.items():
-            rows = np.flatnonzero((devices == device) & (event_us >= start))
+            first, end = bounds.get(device, (0, 0))
+            rows = order[first:end]
+            rows = rows[event_us[rows] >= start]
             read = _Readings.of(table.take(pa.array(rows, type=pa.int64())), start)
             held = self.devices.get(device)
             self.devices[device] = read if held is None else read.merged(held)

@@ -4,7 +4,7 @@ Each micro-batch of new silver readings is featurised with ``ml.features`` exact
 featurises the archive: the same function over each device's readings in the lookback before them, which
 the scorer keeps between batches (``streaming.history``, a cache of silver: what it lacks is read from
 silver), so a reading gets the features it would get in training (no training/serving skew); then the
-model's own ``anomaly_scores``, as Spark expressions, the same as in training and in ``iotmon verify``.
+model's scores (``ml.model.ScoringRule``), the same numpy arithmetic as in training and in ``iotmon verify``.
 
 The model is resolved per micro-batch: the ``champion`` alias, read at every batch, so a promotion takes
 effect at the next trigger without a restart. The version a batch used is *pinned* in the checkpoint
@@ -32,10 +32,10 @@ from ingest.silver import READING_KEY
 from iotmon.config import Settings, interval_seconds
 from iotmon.lake import BatchLedger, append_once, create_table, read_text, write_text
 from iotmon.queries import QuerySpec, Trigger
-from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, LATENESS, SILVER
+from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, LATENESS, SEQ, SILVER
 from ml import registry
 from ml.features import FeatureSpec, reading_features
-from ml.model import anomaly_scores
+from ml.model import ScoringRule, anomaly_scores, scored_batch
 from streaming.history import FEATURE_INPUTS, DeviceHistory, SilverReader
 
 KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset", LATENESS)
@@ -78,7 +78,10 @@ def scored_readings(
 
 def anomalies_of(featured: DataFrame, pipeline: PipelineModel, ref: registry.ModelRef) -> DataFrame:
     """Featured silver readings (``f_<metric>`` columns) scored by ``ref``: rows of ``ANOMALIES_SCHEMA``."""
-    scores = anomaly_scores(featured, pipeline, keep=KEPT_COLUMNS)
+    return _as_anomalies(anomaly_scores(featured, pipeline, keep=KEPT_COLUMNS), ref)
+
+
+def _as_anomalies(scores: DataFrame, ref: registry.ModelRef) -> DataFrame:
     columns = {
         "threshold": F.lit(ref.threshold),
         "is_anomaly": F.col("score") > F.lit(ref.threshold),
@@ -88,15 +91,21 @@ def anomalies_of(featured: DataFrame, pipeline: PipelineModel, ref: registry.Mod
     return scores.withColumns(columns).select(*[F.col(f.name).cast(f.dataType) for f in ANOMALIES_SCHEMA.fields])
 
 
+def _naive_utc(epoch_us: int) -> dt.datetime:
+    return dt.datetime(1970, 1, 1) + dt.timedelta(microseconds=epoch_us)
+
+
 def silver_reader(spark: SparkSession, settings: Settings) -> SilverReader:
     """Reads what the scorer's history lacks: silver's feature columns of some devices, each from a time on."""
 
-    def read(starts: Mapping[str, int]) -> pa.Table:
-        earliest = dt.datetime(1970, 1, 1) + dt.timedelta(microseconds=min(starts.values()))
+    def read(starts: Mapping[str, int], until_us: int) -> pa.Table:
+        earliest, latest = (
+            dt.datetime(1970, 1, 1) + dt.timedelta(microseconds=us) for us in (min(starts.values()), until_us)
+        )
         devices = spark.createDataFrame([(device,) for device in starts], f"{DEVICE_ID} string")
         silver = spark.read.format("delta").load(settings.table_path(SILVER))
-        wanted = silver.where(F.col(EVENT_TIME) >= F.lit(earliest)).join(F.broadcast(devices), DEVICE_ID, "left_semi")
-        return wanted.select(*FEATURE_INPUTS).toArrow()
+        in_range = silver.where(F.col(EVENT_TIME).between(F.lit(earliest), F.lit(latest)))
+        return in_range.join(F.broadcast(devices), DEVICE_ID, "left_semi").select(*FEATURE_INPUTS).toArrow()
 
     return read
 
@@ -166,6 +175,7 @@ def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
     path = settings.table_path(ANOMALIES)
     ledger = BatchLedger(checkpoint)
     history = DeviceHistory(late_s=interval_seconds(settings.watermark))
+    rules: dict[int, ScoringRule] = {}
 
     def write(batch: DataFrame, batch_id: int) -> None:
         spark = batch.sparkSession
@@ -176,10 +186,13 @@ def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
         if readings.num_rows == 0:
             return
         featured = history.featured(readings, FeatureSpec(ref.feature_history_s), silver_reader(spark, settings))
+        if ref.version not in rules:
+            rules[ref.version] = ScoringRule.of(pipeline)
+        scores = scored_batch(featured, rules[ref.version], [DEVICE_ID, SEQ, EVENT_TIME, *KEPT_COLUMNS])
         if not pinned:
             write_text(spark, pin, str(ref.version))
             write_text(spark, f"{checkpoint}/model-pins/{batch_id - PINS_KEPT}", None)
-        append_once(anomalies_of(spark.createDataFrame(featured), pipeline, ref), path, ledger, batch_id)
+        append_once(_as_anomalies(spark.createDataFrame(scores), ref), path, ledger, batch_id)
 
     return write
 

@@ -7,6 +7,7 @@ import datetime as dt
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from iotmon.schema import DEVICE_ID, EVENT_TIME, LATENESS, METRIC_NAMES, SEQ
 from ml.features import FeatureSpec, featured_table
@@ -62,7 +63,10 @@ def _whole_archive(archive: pa.Table) -> dict[tuple[str, int], list[float]]:
     return expected
 
 
-def test_batch_by_batch_features_equal_those_over_the_whole_archive() -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["silver-as-of-the-batch", "silver-ahead-of-the-batch"])
+def test_batch_by_batch_features_equal_those_over_the_whole_archive(ahead: bool) -> None:
+    """Silver may hold readings the scorer has not had yet when it is read (a scorer catching up): they must
+    change nothing."""
     archive = _archive()
     history = DeviceHistory(late_s=30.0)
     reads: list[dict[str, int]] = []
@@ -70,9 +74,10 @@ def test_batch_by_batch_features_equal_those_over_the_whole_archive() -> None:
     batch_rows = 37  # about 2 s of this fleet
 
     for start in range(0, archive.num_rows, batch_rows):
-        committed = archive.slice(0, start + batch_rows)  # silver holds this batch and everything before it
+        # Silver holds this batch and everything before it, and perhaps more.
+        committed = archive if ahead else archive.slice(0, start + batch_rows)
 
-        def read_silver(starts: dict[str, int], committed: pa.Table = committed) -> pa.Table:
+        def read_silver(starts: dict[str, int], until_us: int, committed: pa.Table = committed) -> pa.Table:
             reads.append(dict(starts))
             return committed
 
@@ -93,9 +98,10 @@ def test_a_fresh_history_reads_the_lookback_of_the_first_batch_once() -> None:
     history = DeviceHistory(late_s=30.0)
     starts: list[dict[str, int]] = []
 
-    def read_silver(wanted: dict[str, int]) -> pa.Table:
+    def read_silver(wanted: dict[str, int], until_us: int) -> pa.Table:
         starts.append(dict(wanted))
-        return archive
+        assert until_us == max(last.column(EVENT_TIME).cast(pa.int64()).to_pylist())
+        return archive  # more than asked for, ahead of the batch too: it must not matter
 
     last = archive.slice(archive.num_rows - 50)
     history.featured(last, SPEC, read_silver)
