@@ -553,7 +553,10 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         simulator = ["simulate", "--quiet", "--truth", str(truth), *fleet, *duration]
         pid = children.start("simulator", simulator, signal.SIGINT, CHILD_STOP_SECONDS).pid
         history = f", after their last {past:g}s of readings at once" if past else ""
-        print(f"simulator: {args.devices} devices at {args.rate:g} events/s{history} (pid {pid}); truth -> {truth}")
+        print(
+            f"simulator: {args.devices} devices at {args.rate:g} events/s{history} (pid {pid}); truth -> {truth}",
+            flush=True,
+        )
         trainer = ["train", "--every", args.retrain_every]
         pid = children.start("trainer", trainer, signal.SIGINT, CHILD_STOP_SECONDS).pid
         print(f"trainer: retrains every {args.retrain_every} once silver has enough history (pid {pid})")

@@ -242,7 +242,11 @@ class Settings:
     spark_driver_memory: str = _setting("SPARK_DRIVER_MEMORY", "3g", _parse_memory, "Spark driver memory.")
     spark_ui: bool = _setting("SPARK_UI", True, _parse_bool, "Serve Spark's web UI (on loopback, port 4040 up).")
     shuffle_partitions: int = _setting(
-        "SHUFFLE_PARTITIONS", 4, _parse_positive_int, "spark.sql.shuffle.partitions (fixed into checkpoints)."
+        "SHUFFLE_PARTITIONS",
+        2,
+        _parse_positive_int,
+        "spark.sql.shuffle.partitions, and so the state store partitions of each stateful operator (fixed into a "
+        "query's checkpoint at its first run): every partition is a task, and a state store commit, per batch.",
     )
     trigger_interval: str = _setting(
         "TRIGGER_INTERVAL",

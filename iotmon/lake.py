@@ -151,10 +151,17 @@ def ledger_for(app_id: str) -> BatchLedger:
 
 
 def append_once(frame: DataFrame, path: str, ledger: BatchLedger, batch_id: int) -> bool:
-    """Append ``frame`` unless batch ``batch_id`` of the ledger's writer is already in the table."""
+    """Append ``frame`` unless batch ``batch_id`` of the ledger's writer is already in the table.
+
+    As one file: every task writing a Delta file builds its statistics tracker, code generated for the table's
+    columns, which cost a micro-batch's writes more than their rows (docs/cost-model.md); readers of a table a
+    stream appends to every few seconds pay per file too. And a stream reading the table gets each commit
+    whole: a Delta source splits its rate-limited batches between files, never inside one, which the scorer's
+    history relies on (``streaming.history``)."""
 
     def commit(tag: str) -> None:
-        frame.write.format("delta").mode("append").option("userMetadata", tag).save(path)
+        writer = frame.coalesce(1).write.format("delta").mode("append").option("maxRecordsPerFile", 0)
+        writer.option("userMetadata", tag).save(path)
 
     return ledger.write(frame.sparkSession, path, batch_id, commit)
 

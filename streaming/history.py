@@ -8,8 +8,10 @@ size. So the scorer keeps it: ``DeviceHistory`` holds each device's readings (th
 newest last, from the start of a whole bucket on, and drops what no reading still to come can need.
 
 It is a cache of silver, never a source of truth. A reading's features depend only on on-time readings that
-reached Kafka before it, all of which silver held before the reading's batch; so features computed from the
-cache equal those computed from silver, and from the whole archive. Whatever a batch needs that the cache
+reached Kafka before it: same device, so same partition, so the same or an earlier silver commit. The scorer
+gets silver's commits whole (each is one file, ``iotmon.lake.append_once``, and a Delta source splits its
+batches between files), so all of them were in the cache or in the reading's own batch; features computed from
+the cache equal those computed from silver, and from the whole archive. Whatever a batch needs that the cache
 does not hold (the scorer's first batch after a start, a device it has not seen, a reading older than what it
 keeps, such as one Kafka delivered beyond the watermark) is read from silver first, in one read for the batch.
 A replayed batch starts with an empty cache and reads silver: the same features.

@@ -56,6 +56,22 @@ def test_a_batch_is_written_once_per_table_across_restarts(spark: SparkSession, 
     assert len(_rows(spark, table)) == 4
 
 
+def test_an_append_is_one_file_so_a_stream_reading_the_table_gets_each_commit_whole(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    # A Delta source rate-limits between files: the scorer's history counts on never seeing half a commit.
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "metadata").write_text(json.dumps({"id": "query-1"}))
+    table, ledger = tmp_path / "t", BatchLedger(str(checkpoint))
+    for batch_id in range(2):
+        frame = spark.range(batch_id * 1000, (batch_id + 1) * 1000, numPartitions=4).selectExpr("id", "'x' AS v")
+        assert append_once(frame, str(table), ledger, batch_id)
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").where("operation = 'WRITE'").collect()
+    assert sorted(int(h.operationMetrics["numFiles"]) for h in history) == [1, 1]
+    assert len(_rows(spark, table)) == 2000
+
+
 def test_merge_is_tagged_and_skipped_on_replay(spark: SparkSession, tmp_path: Path) -> None:
     table = str(tmp_path / "t")
     spark.createDataFrame([(1, "a")], "id long, v string").write.format("delta").save(table)
