@@ -41,7 +41,7 @@ from ingest.silver import (
 )
 from iotmon.config import Settings
 from iotmon.kafka import spark_kafka_options
-from iotmon.lake import BatchLedger, append_once, create_table, planned_watermark, table_property
+from iotmon.lake import BatchLedger, append_once, create_table, held, planned_watermark, table_property
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     BRONZE,
@@ -136,8 +136,7 @@ class IngestWriter:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         spark, table = batch.sparkSession, self.settings.table_path
-        batch.persist()
-        try:
+        with held(batch):
             classified = batch.where(~F.col(FIRST_SEEN))
             first_seen = batch.where(F.col(FIRST_SEEN)).select(*READING_KEY)
             append_once(classified.select(*BRONZE_SCHEMA.fieldNames()), table(BRONZE), self.ledger, batch_id)
@@ -154,8 +153,6 @@ class IngestWriter:
                 if not behind.isEmpty():
                     new = new.unionByName(not_in_silver(distinct_readings(behind), spark, self.settings))
             append_once(new, table(SILVER), self.ledger, batch_id)
-        finally:
-            batch.unpersist()
 
 
 def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:
@@ -193,13 +190,12 @@ def not_in_silver(readings: DataFrame, spark: SparkSession, settings: Settings) 
 
 def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
     def write(batch: DataFrame, batch_id: int) -> None:
-        batch.persist()
-        try:
+        with held(batch) as rows:
+            if rows == 0:
+                return
             new = not_in_silver(distinct_readings(batch), batch.sparkSession, settings)
             if not new.isEmpty():
                 append_once(new, settings.table_path(SILVER), ledger, batch_id)
-        finally:
-            batch.unpersist()
 
     return write
 

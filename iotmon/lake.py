@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -148,6 +149,20 @@ class BatchLedger:
 def ledger_for(app_id: str) -> BatchLedger:
     """A ledger for a writer with a fixed, fresh app id (none of its commits can predate now)."""
     return BatchLedger(app_id=app_id, not_before_ms=round((time.time() - CLOCK_MARGIN_S) * 1000))
+
+
+@contextmanager
+def held(batch: DataFrame) -> Iterator[int]:
+    """Keep a micro-batch in memory while a ``foreachBatch`` function writes it out; yields its row count.
+
+    The function reads its batch once per table it writes: without the cache each read would run the batch's
+    plan again, stateful operators included. Counting computes it once, a task per partition on every core,
+    so the writes after it, each one task (``append_once``), only read the cache."""
+    batch.persist()
+    try:
+        yield batch.count()
+    finally:
+        batch.unpersist()
 
 
 def append_once(frame: DataFrame, path: str, ledger: BatchLedger, batch_id: int) -> bool:

@@ -48,7 +48,7 @@ from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValu
 from pyspark.sql.types import BooleanType, DoubleType, IntegerType, LongType, StringType, StructField, StructType
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import BatchLedger, create_table, merge_once
+from iotmon.lake import BatchLedger, create_table, held, merge_once
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     ALERTS,
@@ -473,14 +473,11 @@ def alerts_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
     ledger = BatchLedger(checkpoint)
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        batch.persist()
-        try:
-            if batch.isEmpty():
+        with held(batch) as rows:
+            if rows == 0:
                 return
             same_alert = F.col("t.alert_id") == F.col("s.alert_id")
             merge_once(latest_alerts(batch), path, same_alert, ledger, batch_id, update=True)
-        finally:
-            batch.unpersist()
 
     return write
 

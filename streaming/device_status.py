@@ -46,7 +46,7 @@ from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValu
 from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import BatchLedger, append_once, create_table, merge_once
+from iotmon.lake import BatchLedger, append_once, create_table, held, merge_once
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     DEGRADED,
@@ -558,15 +558,12 @@ def status_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
     ledger = BatchLedger(checkpoint)
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        batch.persist()
-        try:
-            if batch.isEmpty():
+        with held(batch) as rows:
+            if rows == 0:
                 return
             append_once(changes_of(batch), changes_path, ledger, batch_id)
             same_device = F.col(f"t.{DEVICE_ID}") == F.col(f"s.{DEVICE_ID}")
             merge_once(latest_status(batch), status_path, same_device, ledger, batch_id, update=True)
-        finally:
-            batch.unpersist()
 
     return write
 

@@ -18,7 +18,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import BatchLedger, append_once, create_table, merge_once, planned_watermark, table_property
+from iotmon.lake import BatchLedger, append_once, create_table, held, merge_once, planned_watermark, table_property
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     DEVICE_ID,
@@ -103,8 +103,7 @@ class FinalWindowsWriter:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         spark = batch.sparkSession
-        batch.persist()
-        try:
+        with held(batch):
             tumbling = batch.where(F.col(_TABLE) == TUMBLING).select(*TUMBLING_COLUMNS)
             sessions = batch.where(F.col(_TABLE) == DEVICE_SESSIONS).select(*SESSION_COLUMNS)
             sliding = self.sliding_due(spark, tumbling, batch_id)
@@ -118,8 +117,6 @@ class FinalWindowsWriter:
                     frame = frame.where(F.col(END_COLUMN[table]) > F.lit(self.after))
                 if not frame.isEmpty():
                     append_once(frame, self.settings.table_path(table), self.ledger, batch_id)
-        finally:
-            batch.unpersist()
 
     def sliding_due(self, spark: SparkSession, tumbling: DataFrame, batch_id: int) -> DataFrame:
         """The sliding windows ending between the previous batch's watermark and this batch's."""
@@ -172,19 +169,17 @@ def write_live_batch(settings: Settings, ledger: BatchLedger) -> BatchWriter:
     path = settings.table_path(LIVE_WINDOWS)
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        batch.persist()
-        try:
-            first = batch.agg(F.min("window_start")).first()
-            if first is None or first[0] is None:
+        with held(batch) as rows:
+            if rows == 0:
                 return
+            first = batch.agg(F.min("window_start")).first()
+            assert first is not None
             condition = (
                 (F.col("t.window_start") >= F.lit(first[0]))
                 & (F.col("t.window_start") == F.col("s.window_start"))
                 & (F.col("t.device_id") == F.col("s.device_id"))
             )
             merge_once(batch, path, condition, ledger, batch_id, update=True)
-        finally:
-            batch.unpersist()
 
     return write
 

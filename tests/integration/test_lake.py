@@ -9,7 +9,7 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from iotmon.lake import BatchLedger, append_once, ledger_for, merge_once
+from iotmon.lake import BatchLedger, append_once, held, ledger_for, merge_once
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +66,10 @@ def test_an_append_is_one_file_so_a_stream_reading_the_table_gets_each_commit_wh
     table, ledger = tmp_path / "t", BatchLedger(str(checkpoint))
     for batch_id in range(2):
         frame = spark.range(batch_id * 1000, (batch_id + 1) * 1000, numPartitions=4).selectExpr("id", "'x' AS v")
-        assert append_once(frame, str(table), ledger, batch_id)
+        with held(frame) as rows:  # computed by 4 tasks, then written by one
+            assert rows == 1000 and frame.is_cached
+            assert append_once(frame, str(table), ledger, batch_id)
+        assert not frame.is_cached
     history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").where("operation = 'WRITE'").collect()
     assert sorted(int(h.operationMetrics["numFiles"]) for h in history) == [1, 1]
     assert len(_rows(spark, table)) == 2000
