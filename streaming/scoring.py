@@ -92,6 +92,7 @@ def _as_anomalies(scores: DataFrame, ref: registry.ModelRef) -> DataFrame:
 
 
 def _naive_utc(epoch_us: int) -> dt.datetime:
+    """Epoch microseconds as the session's timestamps compare (UTC, no zone)."""
     return dt.datetime(1970, 1, 1) + dt.timedelta(microseconds=epoch_us)
 
 
@@ -99,9 +100,7 @@ def silver_reader(spark: SparkSession, settings: Settings) -> SilverReader:
     """Reads what the scorer's history lacks: silver's feature columns of some devices, each from a time on."""
 
     def read(starts: Mapping[str, int], until_us: int) -> pa.Table:
-        earliest, latest = (
-            dt.datetime(1970, 1, 1) + dt.timedelta(microseconds=us) for us in (min(starts.values()), until_us)
-        )
+        earliest, latest = _naive_utc(min(starts.values())), _naive_utc(until_us)
         devices = spark.createDataFrame([(device,) for device in starts], f"{DEVICE_ID} string")
         silver = spark.read.format("delta").load(settings.table_path(SILVER))
         in_range = silver.where(F.col(EVENT_TIME).between(F.lit(earliest), F.lit(latest)))
