@@ -122,9 +122,11 @@ class _WindowSums:
 
     def __init__(self, event_us: np.ndarray, bucket_us: int) -> None:
         n = len(event_us)
-        bucket = event_us // bucket_us
-        starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]]) if n else np.empty(0, dtype=np.int64)
-        ends = np.r_[starts[1:], n].astype(np.int64)
+        starts = ends = np.empty(0, dtype=np.int64)  # no on-time readings: no buckets
+        if n:
+            bucket = event_us // bucket_us
+            starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+            ends = np.r_[starts[1:], n].astype(np.int64)
         self._segments = list(zip(starts.tolist(), ends.tolist(), strict=True))
         sizes = ends - starts
         self.segment_start = np.repeat(starts, sizes)
@@ -187,6 +189,8 @@ def device_features(
     """
     n, metrics = values.shape
     history = np.flatnonzero(on_time)
+    if len(history) == 0:  # nothing to judge against, as for a device's first readings
+        return np.zeros((n, metrics, len(FEATURE_COLUMNS)))
     h_us, h_values = event_us[history], values[history]
     # Each reading's window: the on-time readings in (t - history, t - settle], oldest first.
     lo = np.searchsorted(h_us, event_us - spec.history_us, side="right")
@@ -220,7 +224,7 @@ def device_features(
     # From the latest unsuspected reading of the window, so the return from a spike is not a second spike.
     latest_clean = np.maximum.accumulate(np.where(clean, np.arange(len(history))[:, None], -1), axis=0)
     at = np.maximum(hi - 1, 0)
-    last_clean_index = latest_clean[at] if len(history) else np.full((n, metrics), -1)
+    last_clean_index = latest_clean[at]
     has_clean = (hi > lo)[:, None] & (last_clean_index >= lo[:, None])
     last_clean = np.where(has_clean, h_values[np.maximum(last_clean_index, 0), np.arange(metrics)], values)
 

@@ -153,3 +153,13 @@ def test_late_readings_and_the_last_settle_seconds_are_not_history(spark: SparkS
     assert recent
     trimmed = _temperature_features(spark, [row for row in on_time if row not in recent])
     assert trimmed[target] == without[target]
+
+
+def test_a_device_with_no_on_time_reading_has_no_history_and_quiet_features(spark: SparkSession) -> None:
+    # All of a device's readings late (e.g. a batch of readings Kafka delivered after a long outage): nothing
+    # is history, so every feature is that of a first reading.
+    rows = [dict(row, lateness="late") for row in _series("dev-1", _noisy(12))]
+    features = _temperature_features(spark, rows)
+    quiet = {name: 0.0 for name in ("level", "step", "repeats", "spread")}
+    assert sorted(features) == list(range(1, 13))
+    assert all({k: f[k] for k in quiet} == quiet for f in features.values())
