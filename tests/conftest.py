@@ -41,7 +41,6 @@ def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
         kafka_heap="384m",
         spark_driver_memory="2g",
         spark_ui=False,
-        shuffle_partitions=2,
         trigger_interval="1 seconds",
     )
 
