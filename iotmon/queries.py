@@ -124,6 +124,28 @@ def progress_line(query: StreamingQuery, source_reads: int = 1) -> str:
     )
 
 
+class ProgressReport:
+    """What the console hears about running queries: each query's line once when it starts, then once per
+    batch that read rows. Spark also reports batches without data (every 10 s while a query is idle) and the
+    last progress stays the same until the next batch; repeating either would bury the news."""
+
+    def __init__(self) -> None:
+        self._shown: dict[str, tuple[Any, ...]] = {}
+
+    def lines(self, queries: dict[str, StreamingQuery], source_reads: dict[str, int]) -> list[str]:
+        lines = []
+        for name, query in queries.items():
+            progress = query.lastProgress
+            seen = (query.runId, progress["batchId"], progress["timestamp"]) if progress else (query.runId,)
+            if self._shown.get(name) == seen:
+                continue
+            self._shown[name] = seen
+            if progress and not progress["numInputRows"]:
+                continue
+            lines.append(progress_line(query, source_reads.get(name, 1)))
+        return lines
+
+
 def run_until_idle(
     spark: SparkSession,
     settings: Settings,
@@ -190,6 +212,7 @@ def run_continuously(
     for spec in specs:
         start_when_ready(spec)
     failures: Counter[str] = Counter()
+    report = ProgressReport()
     next_report = time.monotonic() + report_every
     draining = threading.Event()
     """Set once ``stop`` is: from then on only ``unread()`` ends the run, and waits do not end early."""
@@ -247,8 +270,8 @@ def run_continuously(
                     break
                 queries[spec.name] = start_query(spec, spark, settings, trigger_of(spec), out)
             if time.monotonic() >= next_report:
-                for name, query in queries.items():
-                    print(progress_line(query, reads[name]), file=out, flush=True)
+                for line in report.lines(queries, reads):
+                    print(line, file=out, flush=True)
                 next_report = time.monotonic() + report_every
     finally:
         for query in queries.values():

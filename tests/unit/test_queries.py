@@ -1,22 +1,60 @@
-from iotmon.queries import explain
+"""The console's progress report: news only, never the same batch twice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from iotmon.queries import ProgressReport
 
 
-def test_a_python_error_inside_a_batch_is_summarised_by_its_cause() -> None:
-    wrapped = (
-        "An exception was raised by the Python Proxy. Return Message: Traceback (most recent call last):\n"
-        '  File "job.py", line 3, in write\n'
-        "    raise ValueError('bad row')\n"
-        "ValueError: bad row\n"
-    )
-    assert explain(wrapped) == "ValueError: bad row"
+@dataclass
+class _Query:
+    """The three members of a ``StreamingQuery`` the report reads."""
+
+    name: str
+    runId: str
+    lastProgress: dict[str, Any] | None = None
 
 
-def test_a_reset_broker_gets_a_hint() -> None:
-    message = "[STREAM_FAILED] Partition t-0's offset was changed from 900 to 0, some data may have been missed.\nmore"
-    summary, hint = explain(message).split("\n")
-    assert summary.startswith("[STREAM_FAILED] Partition t-0's offset was changed")
-    assert "iotmon reset" in hint
+def _progress(batch: int, rows: int, timestamp: str = "2026-11-26T03:00:00.000Z") -> dict[str, Any]:
+    return {
+        "batchId": batch,
+        "timestamp": timestamp,
+        "numInputRows": rows,
+        "inputRowsPerSecond": 0.0,
+        "processedRowsPerSecond": 0.0,
+        "durationMs": {"triggerExecution": 1500},
+        "sources": [],
+    }
 
 
-def test_an_ordinary_error_keeps_its_first_line() -> None:
-    assert explain("Something broke\n\tat org.apache.Foo") == "Something broke"
+def test_a_query_is_reported_once_as_it_starts_then_once_per_batch_that_read_rows() -> None:
+    report = ProgressReport()
+    query = _Query("ingest", "run-1")
+    queries = {"ingest": query}
+
+    assert report.lines(queries, {}) == ["ingest       starting"]
+    assert report.lines(queries, {}) == []
+
+    query.lastProgress = _progress(0, 1_000)
+    (line,) = report.lines(queries, {})
+    assert line.startswith("ingest       batch     0  rows     1,000")
+    assert report.lines(queries, {}) == [], "the same batch again"
+
+    query.lastProgress = _progress(1, 0)
+    assert report.lines(queries, {}) == [], "a batch without data"
+
+    query.lastProgress = _progress(2, 500)
+    assert len(report.lines(queries, {})) == 1
+
+
+def test_a_restarted_query_is_reported_again_and_rows_are_counted_once_per_source_read() -> None:
+    report = ProgressReport()
+    query = _Query("device_windows", "run-1", _progress(3, 800))
+    queries = {"device_windows": query}
+    (line,) = report.lines(queries, {"device_windows": 2})
+    assert "rows       400" in line
+
+    query.runId, query.lastProgress = "run-2", None
+    assert report.lines(queries, {"device_windows": 2}) == ["device_windows starting"]
