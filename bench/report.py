@@ -119,6 +119,11 @@ def render(report: Mapping[str, Any]) -> str:
             cpu = steady["stream_cpu"]
             used = f"{cpu['cpu_seconds']:.0f} s in {cpu['seconds']:.0f} s"
             lines.append(f"  stream CPU while publishing: {cpu['cores']:.2f} cores ({used})")
+            if cpu.get("jit_compile_seconds") is not None:
+                lines.append(
+                    f"  JIT compiling meanwhile: {cpu['jit_compile_seconds']:.0f} s of compiler time "
+                    "(near 0 in a warm JVM; more says the stream was still warming up: raise --steady-warmup)"
+                )
         if steady.get("queries"):
             lines.append(f"  {'query':<22}{'batches':>10}{'rows':>10}{'in batches':>12}{'mean':>9}{'max':>9}")
             for q in steady["queries"]:

@@ -83,7 +83,11 @@ def steady_state(
     measured = {"since": datetime.now(UTC).replace(tzinfo=None), "mark": collector.mark()}
 
     # The stream's CPU while the fleet publishes at the rate: Spark's JVM and its Python workers.
-    cpu = CpuMeter(int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()))
+    jvm = spark.sparkContext._jvm
+    compilation = jvm.java.lang.management.ManagementFactory.getCompilationMXBean()  # None without a JIT
+    timed = compilation is not None and compilation.isCompilationTimeMonitoringSupported()
+    compile_ms = compilation.getTotalCompilationTime if timed else None
+    cpu = CpuMeter(int(jvm.java.lang.ProcessHandle.current().pid()), compile_ms)
 
     def publish() -> None:
         try:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -145,20 +145,32 @@ def process_tree_cpu_seconds(root: int) -> float:
 
 
 class CpuMeter:
-    """Average cores a process tree used between ``start()`` and ``stop()``: its CPU seconds over wall seconds."""
+    """Average cores a process tree used between ``start()`` and ``stop()``: its CPU seconds over wall seconds.
 
-    def __init__(self, root: int) -> None:
+    With ``compile_ms`` (a JVM's accumulated JIT compilation time, from its ``CompilationMXBean``), also how
+    long the JIT compiled meanwhile: near zero once a JVM is warm, so a large figure says the measurement
+    caught the JVM still warming up.
+    """
+
+    def __init__(self, root: int, compile_ms: Callable[[], float] | None = None) -> None:
         self.root = root
-        self._started: tuple[float, float] | None = None
+        self.compile_ms = compile_ms
+        self._started: tuple[float, float, float] | None = None
 
     def start(self) -> CpuMeter:
-        self._started = (time.monotonic(), process_tree_cpu_seconds(self.root))
+        self._started = (time.monotonic(), process_tree_cpu_seconds(self.root), self._compiled_ms())
         return self
 
     def stop(self) -> dict[str, float]:
         assert self._started is not None, "CpuMeter.stop() before start()"
         wall, cpu = time.monotonic() - self._started[0], process_tree_cpu_seconds(self.root) - self._started[1]
-        return {"seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "cores": round(cpu / wall, 3) if wall else 0.0}
+        used = {"seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "cores": round(cpu / wall, 3) if wall else 0.0}
+        if self.compile_ms is not None:
+            used["jit_compile_seconds"] = round((self._compiled_ms() - self._started[2]) / 1000, 3)
+        return used
+
+    def _compiled_ms(self) -> float:
+        return float(self.compile_ms()) if self.compile_ms is not None else 0.0
 
 
 def directory_bytes(path: str | Path) -> int:
