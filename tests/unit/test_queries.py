@@ -1,11 +1,11 @@
-"""The console's progress report: news only, never the same batch twice."""
+"""What the supervisor tells the user: a failed query's error summarised, and progress as news only."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from iotmon.queries import ProgressReport
+from iotmon.queries import ProgressReport, explain
 
 
 @dataclass
@@ -58,3 +58,24 @@ def test_a_restarted_query_is_reported_again_and_rows_are_counted_once_per_sourc
 
     query.runId, query.lastProgress = "run-2", None
     assert report.lines(queries, {"device_windows": 2}) == ["device_windows starting"]
+
+
+def test_a_python_error_inside_a_batch_is_summarised_by_its_cause() -> None:
+    wrapped = (
+        "An exception was raised by the Python Proxy. Return Message: Traceback (most recent call last):\n"
+        '  File "job.py", line 3, in write\n'
+        "    raise ValueError('bad row')\n"
+        "ValueError: bad row\n"
+    )
+    assert explain(wrapped) == "ValueError: bad row"
+
+
+def test_a_reset_broker_gets_a_hint() -> None:
+    message = "[STREAM_FAILED] Partition t-0's offset was changed from 900 to 0, some data may have been missed.\nmore"
+    summary, hint = explain(message).split("\n")
+    assert summary.startswith("[STREAM_FAILED] Partition t-0's offset was changed")
+    assert "iotmon reset" in hint
+
+
+def test_an_ordinary_error_keeps_its_first_line() -> None:
+    assert explain("Something broke\n\tat org.apache.Foo") == "Something broke"
