@@ -109,8 +109,9 @@ def explain(error: BaseException | str) -> str:
     return summary + ("\n  hint: " + hints[0] if hints else "")
 
 
-def progress_line(query: StreamingQuery, source_reads: int = 1) -> str:
-    progress = query.lastProgress
+def progress_line(query: StreamingQuery, source_reads: int = 1, progress: dict[str, Any] | None = None) -> str:
+    """One line about ``query``: its ``progress`` (by default its last) or that it is starting."""
+    progress = progress or query.lastProgress
     if not progress:
         return f"{query.name:<12} starting"
     from iotmon.ops import kafka_lag  # ops builds on this module
@@ -125,25 +126,41 @@ def progress_line(query: StreamingQuery, source_reads: int = 1) -> str:
 
 
 class ProgressReport:
-    """What the console hears about running queries: each query's line once when it starts, then once per
-    batch that read rows. Spark also reports batches without data (every 10 s while a query is idle) and the
-    last progress stays the same until the next batch; repeating either would bury the news."""
+    """What the console hears about running queries: each query once as it starts, then its newest batch that
+    read rows, once. Spark's last progress stays the same until the next batch, and is often a batch without
+    data (an idle query's, every 10 s, or the one a stateful query runs after a batch to move its watermark):
+    repeating those would bury the news, and showing only the last progress would hide the batch before it."""
 
     def __init__(self) -> None:
-        self._shown: dict[str, tuple[Any, ...]] = {}
+        self._checked: dict[str, tuple[str, int | None]] = {}
+        """Per query, the run and batch id of the last progress looked at."""
+        self._shown: dict[str, tuple[str, int]] = {}
+        """Per query, the run and batch id of the last batch reported."""
 
     def lines(self, queries: dict[str, StreamingQuery], source_reads: dict[str, int]) -> list[str]:
         lines = []
         for name, query in queries.items():
-            progress = query.lastProgress
-            seen = (query.runId, progress["batchId"], progress["timestamp"]) if progress else (query.runId,)
-            if self._shown.get(name) == seen:
+            run, last = str(query.runId), query.lastProgress
+            checked = (run, last["batchId"] if last else None)
+            if self._checked.get(name) == checked:
                 continue
-            self._shown[name] = seen
-            if progress and not progress["numInputRows"]:
+            self._checked[name] = checked
+            if not last:
+                lines.append(progress_line(query))
                 continue
-            lines.append(progress_line(query, source_reads.get(name, 1)))
+            shown_run, shown_batch = self._shown.get(name, (None, -1))
+            after = shown_batch if shown_run == run else -1
+            newest = last if last["numInputRows"] else self._newest_with_rows(query, after)
+            if newest is None or newest["batchId"] <= after:
+                continue
+            self._shown[name] = (run, newest["batchId"])
+            lines.append(progress_line(query, source_reads.get(name, 1), newest))
         return lines
+
+    @staticmethod
+    def _newest_with_rows(query: StreamingQuery, after: int) -> dict[str, Any] | None:
+        with_rows = [p for p in query.recentProgress if p["numInputRows"] and p["batchId"] > after]
+        return with_rows[-1] if with_rows else None
 
 
 def run_until_idle(

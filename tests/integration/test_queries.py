@@ -57,16 +57,23 @@ def test_a_failed_query_is_restarted_and_resumes(spark: SparkSession, base_setti
     supervisor = threading.Thread(
         target=run_continuously,
         args=(spark, base_settings, [_flaky_spec(tmp_path, 1, batches)], stop, out),
+        kwargs={"report_every": 0.5},
         daemon=True,
     )
     supervisor.start()
     try:
-        wait_for(lambda: len(batches) >= 3, 120, "the query to run again after its failure")
+        wait_for(
+            lambda: len(batches) >= 3 and "flaky        batch " in out.getvalue(),
+            120,
+            "the query to run again after its failure, and a batch of it reported",
+        )
     finally:
         stop.set()
         supervisor.join(60)
     assert "flaky: query ended (" in out.getvalue() and "injected failure" in out.getvalue()
     assert batches[1] == batches[0], "the failed batch must be re-run from the checkpoint, same id"
+    progress = [line for line in out.getvalue().splitlines() if line.startswith("flaky        batch ")]
+    assert progress and len(progress) == len(set(progress)), "each batch reported, none twice"
     assert not supervisor.is_alive()
     assert not [q for q in spark.streams.active if q.name == "flaky"]
 

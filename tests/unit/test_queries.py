@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from iotmon.queries import ProgressReport, explain
@@ -10,17 +10,24 @@ from iotmon.queries import ProgressReport, explain
 
 @dataclass
 class _Query:
-    """The three members of a ``StreamingQuery`` the report reads."""
+    """The members of a ``StreamingQuery`` the report reads; ``progress`` holds its batches, oldest first."""
 
     name: str
     runId: str
-    lastProgress: dict[str, Any] | None = None
+    progress: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def lastProgress(self) -> dict[str, Any] | None:
+        return self.progress[-1] if self.progress else None
+
+    @property
+    def recentProgress(self) -> list[dict[str, Any]]:
+        return self.progress
 
 
-def _progress(batch: int, rows: int, timestamp: str = "2026-11-26T03:00:00.000Z") -> dict[str, Any]:
+def _progress(batch: int, rows: int) -> dict[str, Any]:
     return {
         "batchId": batch,
-        "timestamp": timestamp,
         "numInputRows": rows,
         "inputRowsPerSecond": 0.0,
         "processedRowsPerSecond": 0.0,
@@ -37,27 +44,44 @@ def test_a_query_is_reported_once_as_it_starts_then_once_per_batch_that_read_row
     assert report.lines(queries, {}) == ["ingest       starting"]
     assert report.lines(queries, {}) == []
 
-    query.lastProgress = _progress(0, 1_000)
+    query.progress.append(_progress(0, 1_000))
     (line,) = report.lines(queries, {})
     assert line.startswith("ingest       batch     0  rows     1,000")
     assert report.lines(queries, {}) == [], "the same batch again"
 
-    query.lastProgress = _progress(1, 0)
+    query.progress.append(_progress(1, 0))
     assert report.lines(queries, {}) == [], "a batch without data"
 
-    query.lastProgress = _progress(2, 500)
+    query.progress.append(_progress(2, 500))
+    (line,) = report.lines(queries, {})
+    assert "batch     2  rows       500" in line
+
+
+def test_a_batch_followed_by_one_without_data_is_still_reported() -> None:
+    report = ProgressReport()
+    query = _Query("alerts", "run-1", [_progress(0, 300)])
+    queries = {"alerts": query}
     assert len(report.lines(queries, {})) == 1
+
+    # Between two reports: a batch with rows, then the no-data batch a stateful query runs after it.
+    query.progress += [_progress(1, 200), _progress(2, 0)]
+    (line,) = report.lines(queries, {})
+    assert "batch     1  rows       200" in line
+    query.progress.append(_progress(3, 0))
+    assert report.lines(queries, {}) == [], "batch 1 was shown already"
 
 
 def test_a_restarted_query_is_reported_again_and_rows_are_counted_once_per_source_read() -> None:
     report = ProgressReport()
-    query = _Query("device_windows", "run-1", _progress(3, 800))
+    query = _Query("device_windows", "run-1", [_progress(3, 800)])
     queries = {"device_windows": query}
     (line,) = report.lines(queries, {"device_windows": 2})
     assert "rows       400" in line
 
-    query.runId, query.lastProgress = "run-2", None
+    query.runId, query.progress = "run-2", []
     assert report.lines(queries, {"device_windows": 2}) == ["device_windows starting"]
+    query.progress.append(_progress(3, 800))  # the same batch id, replayed by the new run
+    assert len(report.lines(queries, {"device_windows": 2})) == 1
 
 
 def test_a_python_error_inside_a_batch_is_summarised_by_its_cause() -> None:
