@@ -109,9 +109,8 @@ def explain(error: BaseException | str) -> str:
     return summary + ("\n  hint: " + hints[0] if hints else "")
 
 
-def progress_line(query: StreamingQuery, source_reads: int = 1, progress: dict[str, Any] | None = None) -> str:
-    """One line about ``query``: its ``progress`` (by default its last) or that it is starting."""
-    progress = progress or query.lastProgress
+def progress_line(query: StreamingQuery, progress: dict[str, Any] | None, source_reads: int = 1) -> str:
+    """One line about ``query``: a batch's ``progress``, or (None) that it is starting."""
     if not progress:
         return f"{query.name:<12} starting"
     from iotmon.ops import kafka_lag  # ops builds on this module
@@ -146,7 +145,7 @@ class ProgressReport:
                 continue
             self._checked[name] = checked
             if not last:
-                lines.append(progress_line(query))
+                lines.append(progress_line(query, None))
                 continue
             shown_run, shown_batch = self._shown.get(name, (None, -1))
             after = shown_batch if shown_run == run else -1
@@ -154,7 +153,7 @@ class ProgressReport:
             if newest is None or newest["batchId"] <= after:
                 continue
             self._shown[name] = (run, newest["batchId"])
-            lines.append(progress_line(query, source_reads.get(name, 1), newest))
+            lines.append(progress_line(query, newest, source_reads.get(name, 1)))
         return lines
 
     @staticmethod
@@ -179,9 +178,11 @@ def run_until_idle(
             continue
         started = time.monotonic()
         query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
+        report = ProgressReport()
         try:
             while not query.awaitTermination(report_every):
-                print(progress_line(query, spec.source_reads), file=out, flush=True)
+                for line in report.lines({spec.name: query}, {spec.name: spec.source_reads}):
+                    print(line, file=out, flush=True)
         except StreamingQueryException as exc:
             raise QueryFailed(f"query {spec.name} failed: {settings.redact(explain(exc))}") from exc
         rows[spec.name] = sum(p["numInputRows"] for p in query.recentProgress) // spec.source_reads
