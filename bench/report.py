@@ -124,6 +124,13 @@ def render(report: Mapping[str, Any]) -> str:
                     f"  JIT compiling meanwhile: {cpu['jit_compile_seconds']:.0f} s of compiler time "
                     "(near 0 in a warm JVM; more says the stream was still warming up: raise --steady-warmup)"
                 )
+            if cpu.get("generated_classes") is not None:
+                batches = sum(q["batches"] for q in steady.get("queries", []))
+                per_batch = f", {cpu['generated_classes'] / batches:.1f} per batch" if batches else ""
+                lines.append(
+                    f"  classes generated and compiled meanwhile: {cpu['generated_classes']:,.0f}{per_batch} "
+                    "(near 0 once every plan's code is cached: a value written into a plan's code misses the cache)"
+                )
         if steady.get("queries"):
             lines.append(f"  {'query':<22}{'batches':>10}{'rows':>10}{'in batches':>12}{'mean':>9}{'max':>9}")
             for q in steady["queries"]:

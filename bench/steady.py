@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,21 @@ from iotmon.kafka import ensure_topic
 from simulators.publish import write_device_registry
 
 CATCH_UP_MIN_S = 300.0
+
+
+def jvm_counters(jvm: Any) -> dict[str, Callable[[], float]]:
+    """What the stream's JVM spends CPU on besides the data, as cumulative counters for a ``CpuMeter``: the JIT's
+    compile seconds (its ``CompilationMXBean``, when the JVM times them) and the classes Spark generated and
+    compiled with Janino (``CodegenMetrics``): a plan whose code holds a value that changes every batch (a
+    timestamp or integer literal is written into the source) misses Spark's cache of generated classes each
+    batch, and each new class is compiled by Janino, run interpreted and JIT-compiled again."""
+    counters: dict[str, Callable[[], float]] = {}
+    compilation = jvm.java.lang.management.ManagementFactory.getCompilationMXBean()  # None without a JIT
+    if compilation is not None and compilation.isCompilationTimeMonitoringSupported():
+        counters["jit_compile_seconds"] = lambda: compilation.getTotalCompilationTime() / 1000
+    codegen = getattr(getattr(jvm.org.apache.spark.metrics.source, "CodegenMetrics$"), "MODULE$")
+    counters["generated_classes"] = lambda: codegen.METRIC_COMPILATION_TIME().getCount()
+    return counters
 
 
 def simulator_command(
@@ -84,10 +100,7 @@ def steady_state(
 
     # The stream's CPU while the fleet publishes at the rate: Spark's JVM and its Python workers.
     jvm = spark.sparkContext._jvm
-    compilation = jvm.java.lang.management.ManagementFactory.getCompilationMXBean()  # None without a JIT
-    timed = compilation is not None and compilation.isCompilationTimeMonitoringSupported()
-    compile_ms = compilation.getTotalCompilationTime if timed else None
-    cpu = CpuMeter(int(jvm.java.lang.ProcessHandle.current().pid()), compile_ms)
+    cpu = CpuMeter(int(jvm.java.lang.ProcessHandle.current().pid()), jvm_counters(jvm))
 
     def publish() -> None:
         try:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -147,30 +147,30 @@ def process_tree_cpu_seconds(root: int) -> float:
 class CpuMeter:
     """Average cores a process tree used between ``start()`` and ``stop()``: its CPU seconds over wall seconds.
 
-    With ``compile_ms`` (a JVM's accumulated JIT compilation time, from its ``CompilationMXBean``), also how
-    long the JIT compiled meanwhile: near zero once a JVM is warm, so a large figure says the measurement
-    caught the JVM still warming up.
+    ``counters`` are cumulative figures of the process (say a JVM's JIT compile seconds, from its
+    ``CompilationMXBean``, or how many classes Spark generated): each is reported as its growth over the same
+    window. Near zero once a JVM is warm, so a large figure says what the CPU went to besides the data.
     """
 
-    def __init__(self, root: int, compile_ms: Callable[[], float] | None = None) -> None:
+    def __init__(self, root: int, counters: Mapping[str, Callable[[], float]] | None = None) -> None:
         self.root = root
-        self.compile_ms = compile_ms
-        self._started: tuple[float, float, float] | None = None
+        self.counters = dict(counters or {})
+        self._started: tuple[float, float, dict[str, float]] | None = None
 
     def start(self) -> CpuMeter:
-        self._started = (time.monotonic(), process_tree_cpu_seconds(self.root), self._compiled_ms())
+        self._started = (time.monotonic(), process_tree_cpu_seconds(self.root), self._read_counters())
         return self
 
     def stop(self) -> dict[str, float]:
         assert self._started is not None, "CpuMeter.stop() before start()"
         wall, cpu = time.monotonic() - self._started[0], process_tree_cpu_seconds(self.root) - self._started[1]
         used = {"seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "cores": round(cpu / wall, 3) if wall else 0.0}
-        if self.compile_ms is not None:
-            used["jit_compile_seconds"] = round((self._compiled_ms() - self._started[2]) / 1000, 3)
+        for name, value in self._read_counters().items():
+            used[name] = round(value - self._started[2][name], 3)
         return used
 
-    def _compiled_ms(self) -> float:
-        return float(self.compile_ms()) if self.compile_ms is not None else 0.0
+    def _read_counters(self) -> dict[str, float]:
+        return {name: float(read()) for name, read in self.counters.items()}
 
 
 def directory_bytes(path: str | Path) -> int:

@@ -240,6 +240,12 @@ class Settings:
     )
     spark_master: str = _setting("SPARK_MASTER", "local[2]", str, "Spark master URL.")
     spark_driver_memory: str = _setting("SPARK_DRIVER_MEMORY", "3g", _parse_memory, "Spark driver memory.")
+    spark_driver_java_options: str = _setting(
+        "SPARK_DRIVER_JAVA_OPTIONS",
+        "",
+        str,
+        "Extra JVM flags for the Spark driver (in local mode, the whole engine), added to the project's own.",
+    )
     spark_ui: bool = _setting("SPARK_UI", True, _parse_bool, "Serve Spark's web UI (on loopback, port 4040 up).")
     shuffle_partitions: int = _setting(
         "SHUFFLE_PARTITIONS",

@@ -35,6 +35,11 @@ def fair_pools_file(settings: Settings, weights: Mapping[str, int]) -> Path:
     return path
 
 
+def driver_java_options(settings: Settings) -> str:
+    """The driver JVM's flags: the project's log configuration, then the operator's own (GC, JIT, diagnostics)."""
+    return f"-Dlog4j2.configurationFile={logs.spark_log_config(settings)} {settings.spark_driver_java_options}".strip()
+
+
 def spark_session(
     settings: Settings, app_name: str = "iotmon", pool_weights: Mapping[str, int] | None = None
 ) -> SparkSession:
@@ -68,7 +73,7 @@ def spark_session(
         .config("spark.sql.warehouse.dir", str((settings.home / "warehouse").absolute()))
         .config("spark.ui.enabled", str(settings.spark_ui).lower())
         .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={logs.spark_log_config(settings)}")
+        .config("spark.driver.extraJavaOptions", driver_java_options(settings))
         # Spark masks options whose key or value matches these in plans, UIs and logs; the Kafka source's
         # JAAS line (it holds the SASL password) is named explicitly rather than left to a value match.
         .config("spark.sql.redaction.options.regex", SPARK_OPTIONS_REDACTION)

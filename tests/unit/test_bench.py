@@ -115,13 +115,16 @@ def test_cpu_is_counted_for_a_process_and_the_children_it_reaped() -> None:
     sum(i * i for i in range(2_000_000))
     used = meter.stop()
     assert used["cpu_seconds"] > 0 and used["cores"] == pytest.approx(used["cpu_seconds"] / used["seconds"], rel=0.02)
-    assert "jit_compile_seconds" not in used  # no JVM to ask
+    assert set(used) == {"seconds", "cpu_seconds", "cores"}  # no counters asked for
 
 
-def test_the_cpu_meter_reports_the_jit_s_compile_time_between_start_and_stop() -> None:
-    compiled_ms = iter([120_000.0, 182_500.0])
-    meter = CpuMeter(os.getpid(), lambda: next(compiled_ms)).start()
-    assert meter.stop()["jit_compile_seconds"] == pytest.approx(62.5)
+def test_the_cpu_meter_reports_each_counter_s_growth_between_start_and_stop() -> None:
+    compiled_s = iter([120.0, 182.5])
+    generated = iter([4_000, 4_360])
+    counters = {"jit_compile_seconds": lambda: next(compiled_s), "generated_classes": lambda: next(generated)}
+    used = CpuMeter(os.getpid(), counters).start().stop()
+    assert used["jit_compile_seconds"] == pytest.approx(62.5)
+    assert used["generated_classes"] == 360
 
 
 def test_batch_costs_sum_each_query_s_batches_since_a_mark() -> None:
@@ -208,7 +211,13 @@ def _report() -> dict:
             "caught_up": True,
             "behind": [],
             "latency": latency,
-            "stream_cpu": {"seconds": 10.0, "cpu_seconds": 7.0, "cores": 0.7, "jit_compile_seconds": 3.0},
+            "stream_cpu": {
+                "seconds": 10.0,
+                "cpu_seconds": 7.0,
+                "cores": 0.7,
+                "jit_compile_seconds": 3.0,
+                "generated_classes": 40,
+            },
             "queries": [
                 {
                     "name": "bronze",
@@ -254,7 +263,12 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
     text = shaping.render(report)
     for needle in ("machine: ", "Kafka consumer", "whole path", "skipped (not ready)", "p95", "scale", "bounded"):
         assert needle in text
-    for needle in ("stream CPU while publishing: 0.70 cores", "JIT compiling meanwhile: 3 s", "in batches"):
+    for needle in (
+        "stream CPU while publishing: 0.70 cores",
+        "JIT compiling meanwhile: 3 s",
+        "in batches",
+        "classes generated and compiled meanwhile: 40, 8.0 per batch",
+    ):
         assert needle in text
     assert "training cost" in text and "NOT met" in text
     shaping.write_json(report, tmp_path / "report.json")
