@@ -51,8 +51,11 @@ def rss_bytes(pid: int) -> int | None:
 
 
 def java_version() -> str | None:
+    """The first line of ``java -version`` of the java Spark's launcher runs: ``$JAVA_HOME``'s, else PATH's."""
+    java_home = os.environ.get("JAVA_HOME")
+    java = str(Path(java_home) / "bin" / "java") if java_home else "java"
     try:
-        done = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=20)
+        done = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = (done.stderr or done.stdout).strip().splitlines()

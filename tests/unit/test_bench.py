@@ -24,6 +24,7 @@ from bench.run import BenchOptions
 from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
 from bench.system import (
     CpuMeter,
+    java_version,
     machine_info,
     parse_meminfo,
     parse_stat_cpu_ticks,
@@ -116,6 +117,15 @@ def test_cpu_is_counted_for_a_process_and_the_children_it_reaped() -> None:
     used = meter.stop()
     assert used["cpu_seconds"] > 0 and used["cores"] == pytest.approx(used["cpu_seconds"] / used["seconds"], rel=0.02)
     assert set(used) == {"seconds", "cpu_seconds", "cores"}  # no counters asked for
+
+
+def test_the_java_reported_is_the_one_spark_launches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    java = tmp_path / "bin" / "java"
+    java.parent.mkdir()
+    java.write_text("#!/bin/sh\necho 'openjdk version \"25.0.3\" 2026-04-21 LTS' >&2\n")
+    java.chmod(0o755)
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path))  # spark-class runs $JAVA_HOME/bin/java when it is set
+    assert java_version() == 'openjdk version "25.0.3" 2026-04-21 LTS'
 
 
 def test_the_cpu_meter_reports_each_counter_s_growth_between_start_and_stop() -> None:
