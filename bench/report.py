@@ -119,11 +119,10 @@ def render(report: Mapping[str, Any]) -> str:
             cpu = steady["stream_cpu"]
             used = f"{cpu['cpu_seconds']:.0f} s in {cpu['seconds']:.0f} s"
             lines.append(f"  stream CPU while publishing: {cpu['cores']:.2f} cores ({used})")
-            if cpu.get("jit_compile_seconds") is not None:
-                lines.append(
-                    f"  JIT compiling meanwhile: {cpu['jit_compile_seconds']:.0f} s of compiler time "
-                    "(near 0 in a warm JVM; more says the stream was still warming up: raise --steady-warmup)"
-                )
+            if cpu.get("parts"):
+                parts = sorted(cpu["parts"].items(), key=lambda part: -part[1])
+                shares = ", ".join(f"{name} {seconds / cpu['seconds']:.2f}" for name, seconds in parts if seconds > 0)
+                lines.append(f"  where the cores went: {shares}")
             if cpu.get("generated_classes") is not None:
                 batches = sum(q["batches"] for q in steady.get("queries", []))
                 per_batch = f", {cpu['generated_classes'] / batches:.1f} per batch" if batches else ""

@@ -35,19 +35,13 @@ from simulators.publish import write_device_registry
 CATCH_UP_MIN_S = 300.0
 
 
-def jvm_counters(jvm: Any) -> dict[str, Callable[[], float]]:
-    """What the stream's JVM spends CPU on besides the data, as cumulative counters for a ``CpuMeter``: the JIT's
-    compile seconds (its ``CompilationMXBean``, when the JVM times them) and the classes Spark generated and
-    compiled with Janino (``CodegenMetrics``): a plan whose code holds a value that changes every batch (a
-    timestamp or integer literal is written into the source) misses Spark's cache of generated classes each
-    batch, and each new class is compiled by Janino, run interpreted and JIT-compiled again."""
-    counters: dict[str, Callable[[], float]] = {}
-    compilation = jvm.java.lang.management.ManagementFactory.getCompilationMXBean()  # None without a JIT
-    if compilation is not None and compilation.isCompilationTimeMonitoringSupported():
-        counters["jit_compile_seconds"] = lambda: compilation.getTotalCompilationTime() / 1000
+def spark_counters(jvm: Any) -> dict[str, Callable[[], float]]:
+    """Cumulative figures of the stream's JVM for a ``CpuMeter``: the classes Spark generated and compiled with
+    Janino (``CodegenMetrics``). A plan whose code holds a value that changes every batch (a timestamp or
+    integer literal is written into the generated source) misses Spark's cache of generated classes each batch,
+    and each new class is compiled by Janino, run interpreted, then JIT-compiled again."""
     codegen = getattr(getattr(jvm.org.apache.spark.metrics.source, "CodegenMetrics$"), "MODULE$")
-    counters["generated_classes"] = lambda: codegen.METRIC_COMPILATION_TIME().getCount()
-    return counters
+    return {"generated_classes": lambda: codegen.METRIC_COMPILATION_TIME().getCount()}
 
 
 def simulator_command(
@@ -98,9 +92,10 @@ def steady_state(
     outcome: dict[str, Any] = {}
     measured = {"since": datetime.now(UTC).replace(tzinfo=None), "mark": collector.mark()}
 
-    # The stream's CPU while the fleet publishes at the rate: Spark's JVM and its Python workers.
+    # The stream's CPU while the fleet publishes at the rate: Spark's JVM, its Python workers and this process,
+    # where the foreachBatch functions run (the simulator is a process of its own).
     jvm = spark.sparkContext._jvm
-    cpu = CpuMeter(int(jvm.java.lang.ProcessHandle.current().pid()), jvm_counters(jvm))
+    cpu = CpuMeter(int(jvm.java.lang.ProcessHandle.current().pid()), os.getpid(), spark_counters(jvm))
 
     def publish() -> None:
         try:

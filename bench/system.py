@@ -147,33 +147,112 @@ def process_tree_cpu_seconds(root: int) -> float:
     return sum(ticks) / os.sysconf("SC_CLK_TCK")
 
 
-class CpuMeter:
-    """Average cores a process tree used between ``start()`` and ``stop()``: its CPU seconds over wall seconds.
+# What a Spark JVM's threads do, by name as /proc shows it (cut to 15 characters, so these prefixes fit).
+THREAD_ROLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("JIT compiler", ("C1 CompilerThre", "C2 CompilerThre", "Sweeper thread")),
+    ("garbage collector", ("GC Thread", "G1 ")),
+    ("Spark tasks", ("Executor task l",)),
+    ("query drivers", ("stream executio",)),
+    ("listener bus", ("spark-listener-",)),
+    ("DAG scheduler", ("dag-scheduler-e",)),
+)
+OTHER_THREADS = "other JVM threads"
+ENDED_THREADS = "JVM threads that ended"
+PYTHON_WORKERS = "Python workers"
+PYTHON_DRIVER = "Python driver"
 
-    ``counters`` are cumulative figures of the process (say a JVM's JIT compile seconds, from its
-    ``CompilationMXBean``, or how many classes Spark generated): each is reported as its growth over the same
-    window. Near zero once a JVM is warm, so a large figure says what the CPU went to besides the data.
+
+def thread_role(name: str) -> str:
+    return next((role for role, prefixes in THREAD_ROLES if name.startswith(prefixes)), OTHER_THREADS)
+
+
+def own_cpu_seconds(pid: int) -> float:
+    """utime + stime of the process itself, without its children (0 once it is gone)."""
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live thread of ``pid``: its name and the CPU seconds it has used (``/proc/<pid>/task``)."""
+    threads: dict[int, tuple[str, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        name, fields = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return threads
+
+
+def cpu_by_role(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], process_seconds: float
+) -> dict[str, float]:
+    """CPU seconds per thread role between two snapshots of a process that used ``process_seconds`` meanwhile.
+    A thread that ended in between took its figures with it: what the process used beyond its live threads is
+    reported as such, not guessed into a role."""
+    by_role = {role: 0.0 for role, _ in THREAD_ROLES} | {OTHER_THREADS: 0.0}
+    for tid, (name, seconds) in after.items():
+        by_role[thread_role(name)] += seconds - (before[tid][1] if tid in before else 0.0)
+    by_role[ENDED_THREADS] = max(0.0, process_seconds - sum(by_role.values()))
+    return by_role
+
+
+class CpuMeter:
+    """Average cores a Spark application used between ``start()`` and ``stop()``, and where they went.
+
+    The application is the JVM ``jvm`` with every process under it (Python workers) and, given, the Python
+    ``driver`` process itself (``foreachBatch`` functions run there; not its other children). ``parts`` splits
+    the total by the JVM's thread roles (JIT compiler, garbage collector, Spark's tasks, the queries' driver
+    threads that plan and commit each batch, ...), the Python workers and the Python driver: the cost model's
+    fixed per-batch costs and per-row costs, measured on the running stream. ``counters`` are cumulative
+    figures of the application (how many classes Spark generated, say), each reported as its growth.
     """
 
-    def __init__(self, root: int, counters: Mapping[str, Callable[[], float]] | None = None) -> None:
-        self.root = root
+    def __init__(
+        self, jvm: int, driver: int | None = None, counters: Mapping[str, Callable[[], float]] | None = None
+    ) -> None:
+        self.jvm, self.driver = jvm, driver
         self.counters = dict(counters or {})
-        self._started: tuple[float, float, dict[str, float]] | None = None
+        self._started: dict[str, Any] | None = None
 
     def start(self) -> CpuMeter:
-        self._started = (time.monotonic(), process_tree_cpu_seconds(self.root), self._read_counters())
+        self._started = self._sample()
         return self
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> dict[str, Any]:
         assert self._started is not None, "CpuMeter.stop() before start()"
-        wall, cpu = time.monotonic() - self._started[0], process_tree_cpu_seconds(self.root) - self._started[1]
-        used = {"seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "cores": round(cpu / wall, 3) if wall else 0.0}
-        for name, value in self._read_counters().items():
-            used[name] = round(value - self._started[2][name], 3)
+        now, then = self._sample(), self._started
+        wall = now["time"] - then["time"]
+        jvm_own = now["jvm"] - then["jvm"]
+        parts = cpu_by_role(then["threads"], now["threads"], jvm_own)
+        parts[PYTHON_WORKERS] = max(0.0, (now["tree"] - then["tree"]) - jvm_own)
+        if self.driver is not None:
+            parts[PYTHON_DRIVER] = now["driver"] - then["driver"]
+        cpu = sum(parts.values())
+        used: dict[str, Any] = {
+            "seconds": round(wall, 3),
+            "cpu_seconds": round(cpu, 3),
+            "cores": round(cpu / wall, 3) if wall else 0.0,
+            "parts": {name: round(seconds, 3) for name, seconds in parts.items()},
+        }
+        for name, value in now["counters"].items():
+            used[name] = round(value - then["counters"][name], 3)
         return used
 
-    def _read_counters(self) -> dict[str, float]:
-        return {name: float(read()) for name, read in self.counters.items()}
+    def _sample(self) -> dict[str, Any]:
+        return {
+            "time": time.monotonic(),
+            "tree": process_tree_cpu_seconds(self.jvm),
+            "jvm": own_cpu_seconds(self.jvm),
+            "threads": thread_cpu_seconds(self.jvm),
+            "driver": own_cpu_seconds(self.driver) if self.driver is not None else 0.0,
+            "counters": {name: float(read()) for name, read in self.counters.items()},
+        }
 
 
 def directory_bytes(path: str | Path) -> int:

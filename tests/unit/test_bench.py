@@ -23,13 +23,18 @@ from bench.progress import ProgressCollector
 from bench.run import BenchOptions
 from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
 from bench.system import (
+    ENDED_THREADS,
+    OTHER_THREADS,
+    PYTHON_DRIVER,
     CpuMeter,
+    cpu_by_role,
     java_version,
     machine_info,
     parse_meminfo,
     parse_stat_cpu_ticks,
     parse_status_rss,
     process_tree_cpu_seconds,
+    thread_role,
 )
 from bench.throughput import behind
 from bench.training import copies_and_share
@@ -116,7 +121,47 @@ def test_cpu_is_counted_for_a_process_and_the_children_it_reaped() -> None:
     sum(i * i for i in range(2_000_000))
     used = meter.stop()
     assert used["cpu_seconds"] > 0 and used["cores"] == pytest.approx(used["cpu_seconds"] / used["seconds"], rel=0.02)
-    assert set(used) == {"seconds", "cpu_seconds", "cores"}  # no counters asked for
+    assert used["parts"][OTHER_THREADS] > 0  # this process's main thread has no Spark role
+    assert used["cpu_seconds"] == pytest.approx(sum(used["parts"].values()), abs=0.01)
+
+
+def test_a_jvm_s_threads_are_told_apart_by_their_names() -> None:
+    names = {
+        "C2 CompilerThre": "JIT compiler",
+        "GC Thread#1": "garbage collector",
+        "G1 Refine#0": "garbage collector",
+        "Executor task l": "Spark tasks",
+        "stream executio": "query drivers",
+        "spark-listener-": "listener bus",
+        "dag-scheduler-e": "DAG scheduler",
+        "VM Thread": OTHER_THREADS,
+    }
+    assert {name: thread_role(name) for name in names} == names
+
+
+def test_cpu_by_role_counts_new_threads_from_zero_and_what_ended_threads_used_apart() -> None:
+    before = {1: ("C2 CompilerThre", 10.0), 2: ("Executor task l", 5.0), 3: ("Executor task l", 4.0)}
+    after = {1: ("C2 CompilerThre", 12.5), 2: ("Executor task l", 6.0), 4: ("Executor task l", 0.5)}
+    by_role = cpu_by_role(before, after, process_seconds=7.0)  # thread 3 used 3 s and ended
+    assert by_role["JIT compiler"] == pytest.approx(2.5)
+    assert by_role["Spark tasks"] == pytest.approx(1.5)
+    assert by_role[ENDED_THREADS] == pytest.approx(3.0)
+    assert sum(by_role.values()) == pytest.approx(7.0)
+
+
+def test_the_cpu_meter_counts_the_python_driver_apart_from_the_jvm() -> None:
+    # A stand-in for the JVM (any busy process), and this test's process as the Python driver.
+    spin = "import time\nend = time.time() + 60\nwhile time.time() < end: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        meter = CpuMeter(busy.pid, os.getpid()).start()
+        sum(i * i for i in range(2_000_000))
+        used = meter.stop()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert used["parts"][PYTHON_DRIVER] > 0 and used["parts"][OTHER_THREADS] > 0
+    assert used["cpu_seconds"] == pytest.approx(sum(used["parts"].values()), abs=0.01)
 
 
 def test_the_java_reported_is_the_one_spark_launches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,11 +174,8 @@ def test_the_java_reported_is_the_one_spark_launches(tmp_path: Path, monkeypatch
 
 
 def test_the_cpu_meter_reports_each_counter_s_growth_between_start_and_stop() -> None:
-    compiled_s = iter([120.0, 182.5])
     generated = iter([4_000, 4_360])
-    counters = {"jit_compile_seconds": lambda: next(compiled_s), "generated_classes": lambda: next(generated)}
-    used = CpuMeter(os.getpid(), counters).start().stop()
-    assert used["jit_compile_seconds"] == pytest.approx(62.5)
+    used = CpuMeter(os.getpid(), counters={"generated_classes": lambda: next(generated)}).start().stop()
     assert used["generated_classes"] == 360
 
 
@@ -225,7 +267,7 @@ def _report() -> dict:
                 "seconds": 10.0,
                 "cpu_seconds": 7.0,
                 "cores": 0.7,
-                "jit_compile_seconds": 3.0,
+                "parts": {"Spark tasks": 4.0, "JIT compiler": 2.0, "Python driver": 1.0},
                 "generated_classes": 40,
             },
             "queries": [
@@ -275,7 +317,7 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
         assert needle in text
     for needle in (
         "stream CPU while publishing: 0.70 cores",
-        "JIT compiling meanwhile: 3 s",
+        "where the cores went: Spark tasks 0.40, JIT compiler 0.20, Python driver 0.10",
         "in batches",
         "classes generated and compiled meanwhile: 40, 8.0 per batch",
     ):
