@@ -272,10 +272,17 @@ headers = st.lists(st.tuples(st.text(min_size=1, max_size=10), st.none() | st.bi
 )
 
 
+RECORD_KINDS = ("good", "bad", "bad", "bytes")
+"""A good reading, a designed corruption (twice as likely), random bytes."""
+
+
 @st.composite
-def records(draw: st.DrawFn, kafka_ts: dt.datetime, rules: PayloadRules) -> Record:
-    """One Kafka record: a third good readings, most of the rest designed corruptions, some random bytes."""
-    kind = draw(st.sampled_from(["good", "bad", "bad", "bytes"]))
+def records(
+    draw: st.DrawFn, kafka_ts: dt.datetime, rules: PayloadRules, kinds: tuple[str, ...] = RECORD_KINDS
+) -> Record:
+    """One Kafka record of one of ``kinds``: by default a quarter good readings, most of the rest designed
+    corruptions, some random bytes."""
+    kind = draw(st.sampled_from(kinds))
     key_kind = draw(st.sampled_from(["device", "none", "text", "binary"]))
     header_list = draw(headers)
     if kind == "bytes":
