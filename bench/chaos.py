@@ -589,7 +589,9 @@ class ChaosRun:
         truth = sorted(self.settings.truth_dir.glob("*.parquet"))
         spark = spark_session(self.settings, "iotmon-chaos")
         archive = reconcile(spark, self.settings, truth)
-        analytics = reconcile_analytics(spark, self.settings, truth)
+        analytics = reconcile_analytics(
+            spark, self.settings, truth, progress=lambda what: self.say(f"chaos: checking {what}")
+        )
         self.say(archive.report())
         self.say(analytics.report())
         checked = self.report.checked

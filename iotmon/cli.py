@@ -198,10 +198,14 @@ def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
     print(result.report())
     problems = list(result.problems)
     if DeltaTable.isDeltaTable(spark, settings.table_path(SILVER)):
-        analytics = reconcile_analytics(spark, settings, truth)
+        analytics = reconcile_analytics(spark, settings, truth, progress=_checking)
         print(analytics.report())
         problems += analytics.problems
     return 0 if not problems else EXIT_MISMATCH
+
+
+def _checking(what: str) -> None:
+    print(f"verify: checking {what}", file=sys.stderr, flush=True)
 
 
 def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> list[Path]:

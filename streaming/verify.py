@@ -22,6 +22,7 @@ batch job.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -54,6 +55,8 @@ from streaming.scoring import scored_readings
 from streaming.windows import END_COLUMN, FINAL_TABLES, STAT_COLUMNS, WindowSpec, tumbling_device_windows
 
 RELATIVE_TOLERANCE = 1e-9
+_EXPECTED, _ACTUAL = "_in_expected", "_in_actual"
+"""Marker columns: which side of a comparison a joined row has."""
 KEYS: dict[str, tuple[str, ...]] = {
     "device_windows": ("window_kind", "window_start", "device_id"),
     "site_windows": ("window_start", "site", "device_type"),
@@ -129,16 +132,19 @@ def compare_tables(
 ) -> tuple[int, list[str]]:
     """Rows of ``actual`` and ``expected`` matched by ``keys``; problems when either side differs. Expected
     rows matching ``optional`` (a condition on the expected side, ``e.<column>``) may be absent, but must be
-    equal when present."""
+    equal when present.
+
+    One join and one pass over it count every kind of difference (the batch recomputation behind
+    ``expected`` is computed once, not once per count), and one more job counts repeated keys in ``actual``.
+    """
     problems = []
     duplicates = actual.groupBy(*keys).count().where("count > 1").count()
     if duplicates:
         problems.append(f"{name}: {duplicates} keys written more than once")
     values = [c for c in expected.columns if c not in keys and c not in ignored]
-    joined = expected.alias("e").join(actual.alias("a"), list(keys), "full_outer")
-    absent = joined.where(F.col(f"a.{values[0]}").isNull() & F.col(f"e.{values[0]}").isNotNull())
-    missing = (absent if optional is None else absent.where(~optional)).count()
-    extra = joined.where(F.col(f"e.{values[0]}").isNull() & F.col(f"a.{values[0]}").isNotNull()).count()
+    sides = (expected.withColumn(_EXPECTED, F.lit(True)), actual.withColumn(_ACTUAL, F.lit(True)))
+    joined = sides[0].alias("e").join(sides[1].alias("a"), list(keys), "full_outer")
+    in_expected, in_actual = F.col(f"e.{_EXPECTED}").isNotNull(), F.col(f"a.{_ACTUAL}").isNotNull()
     differs = F.lit(False)
     for column in values:
         e, a = F.col(f"e.{column}"), F.col(f"a.{column}")
@@ -147,25 +153,44 @@ def compare_tables(
             differs = differs | ~F.coalesce(near, e.isNull() & a.isNull())
         else:
             differs = differs | ~e.eqNullSafe(a)
-    different = joined.where(F.col(f"e.{values[0]}").isNotNull() & F.col(f"a.{values[0]}").isNotNull() & differs)
-    n_different = different.count()
-    if missing:
-        problems.append(f"{name}: {missing} rows of the batch recomputation are missing")
-    if extra:
-        problems.append(f"{name}: {extra} rows have no counterpart in the batch recomputation")
-    if n_different:
-        sample = different.select(*keys).first()
-        problems.append(f"{name}: {n_different} rows differ from the batch recomputation, e.g. {sample}")
-    return expected.count(), problems
+    absent = in_expected & ~in_actual
+    if optional is not None:
+        absent = absent & ~optional
+    different = in_expected & in_actual & differs
+    counts = joined.agg(
+        F.count(F.when(in_expected, True)).alias("expected"),
+        F.count(F.when(absent, True)).alias("missing"),
+        F.count(F.when(in_actual & ~in_expected, True)).alias("extra"),
+        F.count(F.when(different, True)).alias("different"),
+        F.first(F.when(different, F.struct(*[F.col(k) for k in keys])), ignorenulls=True).alias("sample"),
+    ).first()
+    assert counts is not None
+    if counts["missing"]:
+        problems.append(f"{name}: {counts['missing']} rows of the batch recomputation are missing")
+    if counts["extra"]:
+        problems.append(f"{name}: {counts['extra']} rows have no counterpart in the batch recomputation")
+    if counts["different"]:
+        problems.append(
+            f"{name}: {counts['different']} rows differ from the batch recomputation, e.g. {counts['sample']}"
+        )
+    return counts["expected"], problems
 
 
-def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Path] | None = None) -> AnalyticsCheck:
+def reconcile_analytics(
+    spark: SparkSession,
+    settings: Settings,
+    truth: list[Path] | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> AnalyticsCheck:
+    """Every silver and gold table against its batch recomputation (the module's list); ``progress`` hears what
+    is being checked, since a large lake takes minutes."""
     check = AnalyticsCheck()
     read = spark.read.format("delta").load
     bronze, devices = read(settings.table_path(BRONZE)), read(settings.table_path(DEVICES))
     silver = read(settings.table_path(SILVER))
     check.silver_rows = silver.count()
 
+    progress(f"{SILVER}: {check.silver_rows:,} readings against bronze")
     expected_silver = silver_from_bronze(bronze, devices, LatenessRules.from_settings(settings))
     columns = [*READING_KEY, "partition", "offset", LATENESS, "out_of_range", "device_type", "site"]
     count, problems = compare_tables(expected_silver.select(columns), silver.select(columns), READING_KEY, SILVER)
@@ -174,6 +199,7 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     check.rows_checked[SILVER] = count
     check.problems += problems
     if truth:
+        progress(f"{SILVER}: against the ground truth of {len(truth)} simulator run(s)")
         rules = LatenessRules.from_settings(settings)
         check.problems += _silver_against_truth(spark, silver, bronze_identity(bronze), truth, rules)
 
@@ -184,6 +210,7 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     lower, upper = (max((m for m in (mark, backfilled) if m is not None), default=None) for mark in (lower, upper))
     check.watermark = lower
     for table, compute in FINAL_TABLES.items():
+        progress(f"{table}: against its batch recomputation")
         actual = read(settings.table_path(table))
         # Materialised before filtering: Spark pushes a filter on a session window's end below the
         # aggregation that merges the sessions, which truncates them (seen with Spark 4.2).
@@ -196,6 +223,7 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
         count, problems = compare_tables(expected, actual.select(*expected.columns), KEYS[table], table, optional)
         check.rows_checked[table] = count
         check.problems += problems
+    progress(f"{LIVE_WINDOWS}: against its batch recomputation")
     live = read(settings.table_path(LIVE_WINDOWS))
     expected_live = tumbling_device_windows(silver, spec)
     count, problems = compare_tables(
@@ -203,13 +231,16 @@ def reconcile_analytics(spark: SparkSession, settings: Settings, truth: list[Pat
     )
     check.rows_checked[LIVE_WINDOWS] = count
     check.problems += problems
+    progress(f"{ANOMALIES}: silver scored again by each model version named")
     count, problems = anomalies_against_silver(spark, settings, silver)
     if count is not None:
         check.rows_checked[ANOMALIES] = count
     check.problems += problems
+    progress(f"{DEVICE_STATUS}, {DEVICE_STATUS_CHANGES}: the status rules run once over silver")
     for table, count, problems in _status_against_silver(spark, settings, silver):
         check.rows_checked[table] = count
         check.problems += problems
+    progress(f"{ALERTS}: the alert rules run once over {ANOMALIES}")
     alerts = read(settings.table_path(ALERTS))
     check.alerts = alerts.count()
     count, problems = _alerts_against_anomalies(spark, settings, alerts)
