@@ -20,13 +20,11 @@ from typing import TYPE_CHECKING
 from iotmon.config import ConfigError, Settings, describe_settings, interval_seconds
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
     from simulators.options import SimulationOptions
 
 EXIT_MISMATCH = 1
-TRAIN_RETRY_SECONDS = 15.0
-"""``iotmon train --every``: how soon to look again when the archive is still too small to train on."""
-TRAIN_WAIT_LINE_SECONDS = 60.0
-"""... and how often to say so."""
 PERIODIC_TRAINER_NICENESS = 10
 """How much a periodic trainer lowers its scheduling priority, so that the stream keeps its latency budgets."""
 CHILD_STOP_SECONDS = 30.0
@@ -248,10 +246,8 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     from iotmon.preflight import require_writable
     from iotmon.processes import lower_priority
     from iotmon.spark import spark_session
-    from ml import registry
-    from ml.features import FeatureSpec
     from ml.model import ModelParams
-    from ml.train import TrainingError, TrainOptions, archive_extent, reason_to_wait, train
+    from ml.train import PeriodicTrainer, TrainingError, TrainOptions, train
 
     if settings.mlflow_tracking_uri is None:
         require_writable(settings, "home")  # the local MLflow store
@@ -274,47 +270,32 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
         except TrainingError as exc:
             raise CommandError(str(exc)) from None
         return 0
-    spec, spark, trained_on = FeatureSpec.from_settings(settings), None, None
+    sessions: list[SparkSession] = []  # none until there is data to train on
+
+    def session() -> SparkSession:
+        if not sessions:
+            sessions.append(spark_session(settings, "iotmon-train"))
+        return sessions[0]
 
     def abandon_run() -> None:  # a stop does not wait for a run: its jobs fail, and the champion stays
-        if spark is not None:
+        for spark in sessions:
             spark.sparkContext.cancelAllJobs()
 
+    def yield_the_cores() -> None:
+        # Until the first champion nothing is scored, so that run is the most urgent work there is; after it,
+        # retraining yields the cores to the stream (this process and its Spark JVM).
+        lower_priority(os.getpid(), PERIODIC_TRAINER_NICENESS)
+
     stop = stop_on_signals(abandon_run)
-    last_wait_line = -TRAIN_WAIT_LINE_SECONDS
+    trainer = PeriodicTrainer(
+        settings, session, lambda: replace(options, truth=truth()), args.every, on_champion=yield_the_cores
+    )
     try:
-        while True:
-            started, wait = time.monotonic(), args.every
-            try:
-                # Checked without Spark: no JVM of ours slows the stream while it starts.
-                if reason := reason_to_wait(archive_extent(settings), spec, trained_on):
-                    raise TrainingError(reason)
-                spark = spark or spark_session(settings, "iotmon-train")
-                report = train(spark, settings, options)
-                # The next run starts a full interval after this one ended: on a busy machine a run can outlast
-                # the interval, and back-to-back runs would hold the cores the stream needs.
-                started, trained_on = time.monotonic(), report.silver_version
-                print(report.report(), flush=True)
-                if registry.champion(settings) is not None:
-                    # Until the first champion nothing is scored, so that run is the most urgent work there is;
-                    # after it, retraining yields the cores to the stream (this process and its Spark JVM).
-                    lower_priority(os.getpid(), PERIODIC_TRAINER_NICENESS)
-            except TrainingError as exc:  # not enough data, or nothing new, yet: look again soon
-                wait = min(args.every, TRAIN_RETRY_SECONDS)
-                if time.monotonic() - last_wait_line >= TRAIN_WAIT_LINE_SECONDS:
-                    print(f"iotmon train: {exc}; looking again every {wait:g}s", file=sys.stderr, flush=True)
-                    last_wait_line = time.monotonic()
-            except Exception as exc:  # keep retraining; the champion stays whatever it was
-                if stop.is_set():
-                    print("iotmon train: stopped; the run in progress was abandoned, champion unchanged", flush=True)
-                    return 0
-                print(f"iotmon train: run failed, champion unchanged: {exc}", file=sys.stderr, flush=True)
-            if stop.wait(max(0.0, wait - (time.monotonic() - started))):
-                return 0
-            options = replace(options, truth=truth())  # a running simulation has published more
+        trainer.run(stop)
     finally:
-        if spark is not None:  # its JVM and py4j's threads end with the session, so the process exits at once
+        for spark in sessions:  # its JVM and py4j's threads end with the session, so the process exits at once
             spark.stop()
+    return 0
 
 
 # --- sql -------------------------------------------------------------------------------------------------
@@ -533,12 +514,15 @@ class _Children:
 
 
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
-    """Broker, a real-time fleet, the stream, a periodic trainer, the dashboard and the MLflow UI, as separate
-    processes the way they would run in production; on exit, drain, reconcile, and stop what it started."""
+    """Broker, a real-time fleet, the stream, the dashboard and the MLflow UI as separate processes, the way they
+    would run in production, and a periodic trainer in the stream's Spark session (``pipeline.stream``: a
+    warm JVM trains the first model several times faster than a cold one beside it); on exit, drain,
+    reconcile, and stop what it started."""
     from iotmon import broker
     from ml.train import past_to_publish_s
     from pipeline.stream import run_stream
 
+    retrain_every_s = interval_seconds(args.retrain_every)
     stop = stop_on_signals()
     broker_was_running = broker.status(settings).running
     if args.fresh:
@@ -561,9 +545,11 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
             f"simulator: {args.devices} devices at {args.rate:g} events/s{history} (pid {pid}); truth -> {truth}",
             flush=True,
         )
-        trainer = ["train", "--every", args.retrain_every]
-        pid = children.start("trainer", trainer, signal.SIGINT, CHILD_STOP_SECONDS).pid
-        print(f"trainer: retrains every {args.retrain_every} once silver has enough history (pid {pid})")
+        print(
+            f"trainer: retrains every {args.retrain_every} in the stream's Spark session, once silver has enough "
+            "history",
+            flush=True,
+        )
         for name in ("dashboard", "mlflow"):
             children.start(name, [name], signal.SIGTERM, CHILD_STOP_SECONDS)
         print(
@@ -577,19 +563,19 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         drain = threading.Event()
 
         def wind_down() -> None:
-            """At a stop, nothing new is published and nothing else competes for the cores (a training run, a
-            dashboard page refreshing itself), then the stream drains."""
+            """At a stop, nothing new is published and nothing else competes for the cores (a dashboard page
+            refreshing itself, a training run: the stream cancels it), then the stream drains."""
             stop.wait()
             children.stop_all()
             print(
-                "stopped the fleet, the trainer, the dashboard and the MLflow UI; "
+                "stopped the fleet, the dashboard and the MLflow UI; the trainer stops, "
                 "the stream drains, then the lake is reconciled",
                 flush=True,
             )
             drain.set()
 
         threading.Thread(target=wind_down, name="iotmon-demo-wind-down", daemon=True).start()
-        run_stream(settings, drain, drain_on_stop=True)
+        run_stream(settings, drain, drain_on_stop=True, train_every_s=retrain_every_s)
         return cmd_verify(settings, argparse.Namespace(truth=[], all_truth=True))
     finally:
         children.stop_all()

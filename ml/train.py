@@ -11,7 +11,9 @@ champion, later ones wait for a data scientist's ``--promote``. Any failure leav
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -371,3 +373,75 @@ def _decide(
 def _merit(metrics: dict[str, float]) -> tuple[float, float]:
     """What a promotion compares: F1, then the false-alarm rate (lower is better)."""
     return metrics["f1"], -metrics["false_alarm_rate"]
+
+
+def default_options(settings: Settings) -> TrainOptions:
+    """``iotmon train``'s defaults, evaluated against every simulator run's ground truth there is now."""
+    from simulators.truth import available_truth
+
+    params = ModelParams(contamination=settings.anomaly_contamination)
+    return TrainOptions(params=params, truth=tuple(available_truth(settings.truth_dir)))
+
+
+# -- Periodic training ------------------------------------------------------------------------------------
+
+RETRY_SECONDS = 15.0
+"""How soon a periodic trainer looks again when the archive is still too small to train on (or unchanged)."""
+WAIT_LINE_SECONDS = 60.0
+"""... and how often it says so."""
+
+
+class PeriodicTrainer:
+    """Train, then again ``every_s`` after each run ends, until ``stop``: what ``iotmon train --every`` runs in a
+    process of its own, and ``iotmon demo`` in the stream's Spark session (``pipeline.stream``).
+
+    Whether to train is decided without Spark (``archive_extent``): no session is asked for until there is
+    data. A run that fails, or finds too little or nothing new, leaves the champion as it was and is tried
+    again; ``on_champion`` is called after each run once a champion exists (the first one is the urgent run:
+    until it exists nothing is scored).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        session: Callable[[], SparkSession],
+        options: Callable[[], TrainOptions],
+        every_s: float,
+        on_champion: Callable[[], None] = lambda: None,
+        out: TextIO = sys.stdout,
+        err: TextIO = sys.stderr,
+    ) -> None:
+        self.settings, self.session, self.options, self.every_s = settings, session, options, every_s
+        self.on_champion, self.out, self.err = on_champion, out, err
+
+    def run(self, stop: threading.Event) -> None:
+        spec, trained_on = FeatureSpec.from_settings(self.settings), None
+        last_wait_line = -WAIT_LINE_SECONDS
+        while True:
+            started, wait = time.monotonic(), self.every_s
+            try:
+                if reason := reason_to_wait(archive_extent(self.settings), spec, trained_on):
+                    raise TrainingError(reason)
+                report = train(self.session(), self.settings, self.options())
+                # The next run starts a full interval after this one ended: on a busy machine a run can outlast
+                # the interval, and back-to-back runs would hold the cores the stream needs.
+                started, trained_on = time.monotonic(), report.silver_version
+                print(report.report(), file=self.out, flush=True)
+                if registry.champion(self.settings) is not None:
+                    self.on_champion()
+            except TrainingError as exc:  # not enough data, or nothing new, yet: look again soon
+                wait = min(self.every_s, RETRY_SECONDS)
+                if time.monotonic() - last_wait_line >= WAIT_LINE_SECONDS:
+                    print(f"iotmon train: {exc}; looking again every {wait:g}s", file=self.err, flush=True)
+                    last_wait_line = time.monotonic()
+            except Exception as exc:  # keep retraining; the champion stays whatever it was
+                if stop.is_set():
+                    print(
+                        "iotmon train: stopped; the run in progress was abandoned, champion unchanged",
+                        file=self.out,
+                        flush=True,
+                    )
+                    return
+                print(f"iotmon train: run failed, champion unchanged: {exc}", file=self.err, flush=True)
+            if stop.wait(max(0.0, wait - (time.monotonic() - started))):
+                return

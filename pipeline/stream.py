@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from iotmon.config import ConfigError, Settings
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
-def run_stream(settings: Settings, stop: threading.Event | None, drain_on_stop: bool = False) -> None:
+FIRST_MODEL_POOL, RETRAINING_POOL = "first-model", "retraining"
+"""The fair-scheduler pools of a trainer in the stream's session: the first model is as urgent as the scores
+it enables (the scorer's weight), retraining yields to every query."""
+TRAINER_POOL_WEIGHTS = {FIRST_MODEL_POOL: 4, RETRAINING_POOL: 1}
+TRAINING_JOB_GROUP = "iotmon-training"
+
+
+def run_stream(
+    settings: Settings, stop: threading.Event | None, drain_on_stop: bool = False, train_every_s: float | None = None
+) -> None:
     """Continuously until ``stop`` is set, or (``stop`` is None) until what Kafka holds now is in every table.
 
     With ``drain_on_stop``, a stop lets the running queries read all their sources hold before they stop
-    (``pipeline.drain``): for a caller that has stopped what publishes to Kafka first."""
+    (``pipeline.drain``): for a caller that has stopped what publishes to Kafka first. With ``train_every_s``,
+    the model is also trained in the stream's own session (``start_trainer``), until ``stop``."""
     from iotmon.kafka import ensure_topic
     from iotmon.ops import install_progress_recorder
     from iotmon.preflight import require_writable
@@ -40,7 +53,8 @@ def run_stream(settings: Settings, stop: threading.Event | None, drain_on_stop: 
         )
     import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
     ensure_topic(settings)
-    spark = spark_session(settings, "iotmon-stream", pool_weights())
+    weights = {**pool_weights(), **(TRAINER_POOL_WEIGHTS if train_every_s else {})}
+    spark = spark_session(settings, "iotmon-stream", weights)
     ensure_tables(spark, settings)
     with install_progress_recorder(spark, settings, source_reads=source_reads()):
         if stop is None:
@@ -53,6 +67,8 @@ def run_stream(settings: Settings, stop: threading.Event | None, drain_on_stop: 
             file=sys.stderr,
             flush=True,
         )
+        if train_every_s:
+            start_trainer(spark, settings, stop, train_every_s)
         run_continuously(
             spark,
             settings,
@@ -61,3 +77,35 @@ def run_stream(settings: Settings, stop: threading.Event | None, drain_on_stop: 
             trigger_of=trigger_of(settings),
             unread=(lambda: unread_now(spark, settings)) if drain_on_stop else None,
         )
+
+
+def start_trainer(spark: SparkSession, settings: Settings, stop: threading.Event, every_s: float) -> None:
+    """Train the anomaly model every ``every_s`` in the stream's session, on a thread of its own, until ``stop``.
+
+    A JVM that runs the stream has compiled most of what training runs (Delta reads, Spark SQL, Python
+    workers): the first model, the one the scorer waits for, trains several times faster there than in a
+    trainer's cold JVM beside it (docs/cost-model.md). Its jobs run in a pool weighted as the scorer until a
+    champion exists, then in one that yields to every query. A stop cancels the run in progress; the champion
+    stays as it was.
+    """
+    from iotmon.queries import SCHEDULER_POOL
+    from ml import registry
+    from ml.train import PeriodicTrainer, default_options
+
+    def session() -> SparkSession:  # called on the trainer's thread: pool and group are the thread's
+        pool = RETRAINING_POOL if registry.champion(settings) is not None else FIRST_MODEL_POOL
+        spark.sparkContext.setLocalProperty(SCHEDULER_POOL, pool)
+        spark.sparkContext.setJobGroup(TRAINING_JOB_GROUP, "periodic training", interruptOnCancel=True)
+        return spark
+
+    trainer = PeriodicTrainer(settings, session, lambda: default_options(settings), every_s)
+    thread = threading.Thread(target=trainer.run, args=(stop,), name="iotmon-trainer", daemon=True)
+
+    def cancel_at_stop() -> None:
+        stop.wait()
+        while thread.is_alive():  # until the run notices: a job started after a cancel is cancelled again
+            spark.sparkContext.cancelJobGroup(TRAINING_JOB_GROUP)
+            thread.join(1.0)
+
+    thread.start()
+    threading.Thread(target=cancel_at_stop, name="iotmon-trainer-stop", daemon=True).start()

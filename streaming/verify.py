@@ -190,7 +190,7 @@ def reconcile_analytics(
     silver = read(settings.table_path(SILVER))
     check.silver_rows = silver.count()
 
-    progress(f"{SILVER}: {check.silver_rows:,} readings against bronze")
+    progress(f"{SILVER} ({check.silver_rows:,} readings) against bronze")
     expected_silver = silver_from_bronze(bronze, devices, LatenessRules.from_settings(settings))
     columns = [*READING_KEY, "partition", "offset", LATENESS, "out_of_range", "device_type", "site"]
     count, problems = compare_tables(expected_silver.select(columns), silver.select(columns), READING_KEY, SILVER)
@@ -199,7 +199,7 @@ def reconcile_analytics(
     check.rows_checked[SILVER] = count
     check.problems += problems
     if truth:
-        progress(f"{SILVER}: against the ground truth of {len(truth)} simulator run(s)")
+        progress(f"{SILVER} against the ground truth of {len(truth)} simulator run(s)")
         rules = LatenessRules.from_settings(settings)
         check.problems += _silver_against_truth(spark, silver, bronze_identity(bronze), truth, rules)
 
@@ -210,7 +210,7 @@ def reconcile_analytics(
     lower, upper = (max((m for m in (mark, backfilled) if m is not None), default=None) for mark in (lower, upper))
     check.watermark = lower
     for table, compute in FINAL_TABLES.items():
-        progress(f"{table}: against its batch recomputation")
+        progress(f"{table} against its batch recomputation")
         actual = read(settings.table_path(table))
         # Materialised before filtering: Spark pushes a filter on a session window's end below the
         # aggregation that merges the sessions, which truncates them (seen with Spark 4.2).
@@ -223,7 +223,7 @@ def reconcile_analytics(
         count, problems = compare_tables(expected, actual.select(*expected.columns), KEYS[table], table, optional)
         check.rows_checked[table] = count
         check.problems += problems
-    progress(f"{LIVE_WINDOWS}: against its batch recomputation")
+    progress(f"{LIVE_WINDOWS} against its batch recomputation")
     live = read(settings.table_path(LIVE_WINDOWS))
     expected_live = tumbling_device_windows(silver, spec)
     count, problems = compare_tables(
@@ -231,16 +231,16 @@ def reconcile_analytics(
     )
     check.rows_checked[LIVE_WINDOWS] = count
     check.problems += problems
-    progress(f"{ANOMALIES}: silver scored again by each model version named")
+    progress(f"{ANOMALIES} against silver scored again by each model version they name")
     count, problems = anomalies_against_silver(spark, settings, silver)
     if count is not None:
         check.rows_checked[ANOMALIES] = count
     check.problems += problems
-    progress(f"{DEVICE_STATUS}, {DEVICE_STATUS_CHANGES}: the status rules run once over silver")
+    progress(f"{DEVICE_STATUS} and {DEVICE_STATUS_CHANGES} against the status rules run once over silver")
     for table, count, problems in _status_against_silver(spark, settings, silver):
         check.rows_checked[table] = count
         check.problems += problems
-    progress(f"{ALERTS}: the alert rules run once over {ANOMALIES}")
+    progress(f"{ALERTS} against the alert rules run once over {ANOMALIES}")
     alerts = read(settings.table_path(ALERTS))
     check.alerts = alerts.count()
     count, problems = _alerts_against_anomalies(spark, settings, alerts)

@@ -79,3 +79,20 @@ def test_a_device_sample_keeps_whole_histories_and_grows_with_its_share(spark: S
     assert set(quarter.values()) == {5}, "a kept device keeps all its readings"
     assert 25 <= len(quarter) <= 75 and 70 <= len(half) <= 130, (len(quarter), len(half))
     assert set(quarter) <= half, "a larger share keeps the devices a smaller one kept"
+
+
+def test_a_periodic_trainer_waits_for_an_archive_without_starting_spark_and_ends_at_a_stop(tmp_path) -> None:
+    import io
+    import threading
+
+    from iotmon.config import Settings
+    from ml.train import RETRY_SECONDS, PeriodicTrainer, TrainOptions
+
+    def no_session() -> SparkSession:
+        raise AssertionError("no Spark session before there is an archive to train on")
+
+    err, stop = io.StringIO(), threading.Event()
+    stop.set()  # the run ends at its first wait
+    settings = Settings.from_env({}, home=tmp_path)
+    PeriodicTrainer(settings, no_session, TrainOptions, every_s=300.0, err=err).run(stop)
+    assert err.getvalue() == f"iotmon train: no silver table yet; looking again every {RETRY_SECONDS:g}s\n"
