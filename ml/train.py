@@ -408,11 +408,11 @@ class PeriodicTrainer:
         options: Callable[[], TrainOptions],
         every_s: float,
         on_champion: Callable[[], None] = lambda: None,
-        out: TextIO = sys.stdout,
-        err: TextIO = sys.stderr,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
     ) -> None:
         self.settings, self.session, self.options, self.every_s = settings, session, options, every_s
-        self.on_champion, self.out, self.err = on_champion, out, err
+        self.on_champion, self.out, self.err = on_champion, out or sys.stdout, err or sys.stderr
 
     def run(self, stop: threading.Event) -> None:
         spec, trained_on = FeatureSpec.from_settings(self.settings), None
