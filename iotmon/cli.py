@@ -515,9 +515,9 @@ class _Children:
 
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     """Broker, a real-time fleet, the stream, the dashboard and the MLflow UI as separate processes, the way they
-    would run in production, and a periodic trainer in the stream's Spark session (``pipeline.stream``: a
-    warm JVM trains the first model several times faster than a cold one beside it); on exit, drain,
-    reconcile, and stop what it started."""
+    would run in production, and a periodic trainer in the stream's Spark session (``pipeline.stream``: its
+    warm JVM trains the first model sooner than a cold one beside it); on exit, drain, reconcile, and stop
+    what it started."""
     from iotmon import broker
     from ml.train import past_to_publish_s
     from pipeline.stream import run_stream
