@@ -79,8 +79,9 @@ def run_stream(
         )
 
 
-def start_trainer(spark: SparkSession, settings: Settings, stop: threading.Event, every_s: float) -> None:
-    """Train the anomaly model every ``every_s`` in the stream's session, on a thread of its own, until ``stop``.
+def start_trainer(spark: SparkSession, settings: Settings, stop: threading.Event, every_s: float) -> threading.Thread:
+    """Train the anomaly model every ``every_s`` in the stream's session, on a thread of its own (returned),
+    until ``stop``.
 
     A JVM that runs the stream has already run most of what training runs (Delta reads, Spark SQL, Python
     workers): the first model, the one the scorer waits for, trains sooner there than in a trainer's cold JVM
@@ -109,3 +110,4 @@ def start_trainer(spark: SparkSession, settings: Settings, stop: threading.Event
 
     thread.start()
     threading.Thread(target=cancel_at_stop, name="iotmon-trainer-stop", daemon=True).start()
+    return thread

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from ml import registry
 from ml.features import FEATURE_VERSION, FeatureSpec
 from ml.model import ModelParams
 from ml.train import TrainingError, TrainOptions, archive_extent, past_to_publish_s, span_to_train_s, train
+from pipeline.stream import TRAINING_JOB_GROUP, start_trainer
 from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
@@ -171,3 +173,27 @@ def test_scorer_scores_every_reading_and_follows_a_promotion_without_restart(arc
         spark, settings, spark.read.format("delta").load(settings.table_path(SILVER))
     )
     assert problems == [] and checked == silver_rows
+
+
+def test_a_trainer_in_the_stream_session_gives_up_its_run_at_a_stop_and_otherwise_promotes(
+    archive, spark, capsys
+) -> None:
+    # The demo's trainer: a thread of the stream's process, its jobs in a group that a stop cancels.
+    settings, _ = archive
+    jobs = spark.sparkContext.statusTracker()
+    stop = threading.Event()
+    thread = start_trainer(spark, settings, stop, every_s=300.0)
+    wait_for(lambda: jobs.getJobIdsForGroup(TRAINING_JOB_GROUP), 300, "a training job", poll=0.1)
+    stop.set()
+    wait_for(lambda: not thread.is_alive(), 120, "the trainer to give up its run")
+    assert "iotmon train: stopped; the run in progress was abandoned" in capsys.readouterr().out
+    assert registry.champion(settings) is None, "a run given up promotes nothing"
+
+    stop = threading.Event()
+    thread = start_trainer(spark, settings, stop, every_s=300.0)
+    wait_for(lambda: registry.champion(settings) is not None, 600, "the first model")
+    stop.set()  # the trainer now waits for its next run: it ends at once
+    wait_for(lambda: not thread.is_alive(), 60, "the trainer to stop")
+    out = capsys.readouterr().out
+    assert "trained iotmon-anomaly run " in out and "PROMOTED: first model" in out, out
+    assert registry.champion(settings).version == 1
