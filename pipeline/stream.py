@@ -13,8 +13,7 @@ if TYPE_CHECKING:
 
 FIRST_MODEL_POOL, RETRAINING_POOL = "first-model", "retraining"
 """The fair-scheduler pools of a trainer in the stream's session: the first model is as urgent as the scores
-it enables (the scorer's weight), retraining yields to every query."""
-TRAINER_POOL_WEIGHTS = {FIRST_MODEL_POOL: 4, RETRAINING_POOL: 1}
+it enables (the scorer's weight, ``trainer_pool_weights``), retraining yields to every query."""
 TRAINING_JOB_GROUP = "iotmon-training"
 
 
@@ -53,7 +52,7 @@ def run_stream(
         )
     import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
     ensure_topic(settings)
-    weights = {**pool_weights(), **(TRAINER_POOL_WEIGHTS if train_every_s else {})}
+    weights = {**pool_weights(), **(trainer_pool_weights() if train_every_s else {})}
     spark = spark_session(settings, "iotmon-stream", weights)
     ensure_tables(spark, settings)
     with install_progress_recorder(spark, settings, source_reads=source_reads()):
@@ -77,6 +76,14 @@ def run_stream(
             trigger_of=trigger_of(settings),
             unread=(lambda: unread_now(spark, settings)) if drain_on_stop else None,
         )
+
+
+def trainer_pool_weights() -> dict[str, int]:
+    """The trainer's pools and their weights: the first model's is the scorer's (``pipeline.topology``)."""
+    from pipeline.topology import node
+    from streaming.scoring import SCORING_QUERY
+
+    return {FIRST_MODEL_POOL: node(SCORING_QUERY.name).weight, RETRAINING_POOL: 1}
 
 
 def start_trainer(spark: SparkSession, settings: Settings, stop: threading.Event, every_s: float) -> threading.Thread:
