@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from delta.exceptions import ConcurrentAppendException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -65,6 +66,8 @@ late-arrivals query starting from a new checkpoint begins right after it."""
 FIRST_SEEN = "_first_seen"
 """Marks the rows of an ingest batch that are reading keys seen for the first time, not records."""
 BatchWriter = Callable[[DataFrame, int], None]
+LOOKUP_ATTEMPTS = 5
+"""How often a late-arrivals batch looks silver up again after an ingest commit conflicted with its append."""
 
 
 def ensure_landing_tables(spark: SparkSession, settings: Settings) -> None:
@@ -189,13 +192,30 @@ def not_in_silver(readings: DataFrame, spark: SparkSession, settings: Settings) 
 
 
 def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
+    """The late-arrivals query's ``foreachBatch``: look the readings up in silver, append those it lacks.
+
+    Silver has two writers. The ingest query appends blindly; this one reads silver in the transaction that
+    appends, so Delta refuses its commit when an ingest commit added files in the event-time range it read
+    (``ConcurrentAppendException``): the lookup may have missed a reading that just arrived. That is not a
+    failure of the query, only a stale lookup, so it is done again on the new silver, up to
+    ``LOOKUP_ATTEMPTS`` times, before the conflict fails the batch (and the supervisor restarts the query).
+    """
+
     def write(batch: DataFrame, batch_id: int) -> None:
         with held(batch) as rows:
             if rows == 0:
                 return
-            new = not_in_silver(distinct_readings(batch), batch.sparkSession, settings)
-            if not new.isEmpty():
-                append_once(new, settings.table_path(SILVER), ledger, batch_id)
+            readings = distinct_readings(batch)
+            for attempt in range(1, LOOKUP_ATTEMPTS + 1):
+                new = not_in_silver(readings, batch.sparkSession, settings)
+                if new.isEmpty():
+                    return
+                try:
+                    append_once(new, settings.table_path(SILVER), ledger, batch_id)
+                    return
+                except ConcurrentAppendException:
+                    if attempt == LOOKUP_ATTEMPTS:
+                        raise
 
     return write
 
