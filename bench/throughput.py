@@ -32,7 +32,7 @@ from ingest.landing import kafka_records
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
 from iotmon.queries import AVAILABLE_NOW, run_continuously, run_until_idle
-from pipeline.topology import KAFKA, TOPOLOGY, ensure_tables, queries, trigger_of, triggers_line
+from pipeline.topology import KAFKA, TOPOLOGY, ensure_tables, lead_queries, queries, trigger_of, triggers_line
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 
@@ -188,7 +188,14 @@ def drain_concurrently(
     def run() -> None:
         try:
             run_continuously(
-                spark, settings, queries(), stop, out=sys.stderr, report_every=30.0, trigger_of=trigger_of(settings)
+                spark,
+                settings,
+                queries(),
+                stop,
+                out=sys.stderr,
+                report_every=30.0,
+                trigger_of=trigger_of(settings),
+                lead=lead_queries(),
             )
         except BaseException as exc:  # reported by the caller, after the queries stopped
             failure.append(exc)

@@ -361,7 +361,10 @@ class Settings:
         "Event time without anomalies after which a device's open alert is cleared.",
     )
     query_restarts: int = _setting(
-        "QUERY_RESTARTS", 5, _parse_non_negative_int, "Times `iotmon stream` restarts a failed query before giving up."
+        "QUERY_RESTARTS",
+        5,
+        _parse_non_negative_int,
+        "Times in a row `iotmon stream` restarts a failing query (no batch finished in between) before giving up.",
     )
     dashboard_host: str = _setting(
         "DASHBOARD_HOST", "127.0.0.1", str, "Address `iotmon dashboard` listens on (loopback: this machine only)."

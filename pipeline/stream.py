@@ -35,6 +35,7 @@ def run_stream(
     from pipeline.drain import unread_now
     from pipeline.topology import (
         ensure_tables,
+        lead_queries,
         pool_weights,
         queries,
         retired_checkpoints,
@@ -75,6 +76,7 @@ def run_stream(
             stop,
             trigger_of=trigger_of(settings),
             unread=(lambda: unread_now(spark, settings)) if drain_on_stop else None,
+            lead=lead_queries(),
         )
 
 

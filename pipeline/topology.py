@@ -170,6 +170,12 @@ def ensure_tables(spark: SparkSession, settings: Settings) -> None:
     ensure_analytics_tables(spark, settings)
 
 
+def lead_queries() -> tuple[str, ...]:
+    """The queries that read Kafka: everything else reads what they write, so a stream starts them first
+    (``iotmon.queries.run_continuously``)."""
+    return tuple(n.name for n in TOPOLOGY if n.source == KAFKA)
+
+
 def node(name: str) -> Node:
     return next(n for n in TOPOLOGY if n.name == name)
 

@@ -84,8 +84,54 @@ def test_a_failed_query_is_restarted_and_resumes(spark: SparkSession, base_setti
 
 def test_too_many_failures_stop_the_supervisor(spark: SparkSession, base_settings: Settings, tmp_path: Path):
     settings = dataclasses.replace(base_settings, query_restarts=0)
-    with pytest.raises(QueryFailed, match=r"query flaky failed 1 times; last error: .*injected failure"):
+    with pytest.raises(QueryFailed, match=r"query flaky failed 1 times in a row; last error: .*injected failure"):
         run_continuously(spark, settings, [_flaky_spec(tmp_path, 99, [])], threading.Event(), io.StringIO())
+
+
+def test_failures_that_each_follow_a_working_batch_do_not_add_up(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+):
+    """A stream runs for days: a query failing now and then (a write conflict, a broker restart), each time
+    after batches that worked, is restarted every time, though it failed more often than the limit in all."""
+    settings = dataclasses.replace(base_settings, query_restarts=1)
+    calls: list[int] = []
+    stop = threading.Event()
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        calls.append(batch_id)
+        if len(calls) in (2, 4):  # each failure follows a batch that worked (call 1, then call 3: the replay)
+            raise RuntimeError(f"injected failure in batch {batch_id}")
+
+    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+        return (
+            spark.readStream.format("rate")
+            .option("rowsPerSecond", 10)
+            .load()
+            .writeStream.queryName("now-and-then")
+            .foreachBatch(write)
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(**trigger)
+            .start()
+        )
+
+    out, failed = io.StringIO(), []
+
+    def supervise() -> None:
+        try:
+            run_continuously(spark, settings, [QuerySpec("now-and-then", start)], stop, out)
+        except QueryFailed as exc:
+            failed.append(exc)
+
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+    try:
+        wait_for(lambda: len(calls) >= 6 or failed, 180, "the query to run on after its second failure")
+    finally:
+        stop.set()
+        supervisor.join(60)
+    assert not failed, failed
+    assert out.getvalue().count("now-and-then: query ended (") == 2
+    assert calls[2] == calls[1] and calls[4] == calls[3], "each failed batch re-run from the checkpoint"
 
 
 def test_a_crash_in_the_first_offset_write_does_not_block_the_query_forever(
@@ -151,3 +197,77 @@ def test_each_query_runs_its_jobs_in_a_fair_scheduler_pool_of_its_own(
     assert pools == ["pooled"]
     assert context._jsc.sc().getPoolForName("pooled").isDefined(), "no task set ran in the query's pool"
     assert context.getLocalProperty(SCHEDULER_POOL) is None, "the starting thread's own jobs stay in the default pool"
+
+
+def _rate_spec(tmp_path: Path, name: str, on_batch) -> QuerySpec:
+    """A rate-source query calling ``on_batch(batch_id)`` for each batch."""
+
+    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+        return (
+            spark.readStream.format("rate")
+            .option("rowsPerSecond", 10)
+            .load()
+            .writeStream.queryName(name)
+            .foreachBatch(lambda _, batch_id: on_batch(batch_id))
+            .option("checkpointLocation", str(tmp_path / name))
+            .trigger(**trigger)
+            .start()
+        )
+
+    return QuerySpec(name, start)
+
+
+def _lead_and_follower(tmp_path: Path, release: threading.Event, seen: list[str]) -> list[QuerySpec]:
+    """A lead query whose first batch holds until ``release``, and a query that follows it."""
+
+    def lead(_: int) -> None:
+        seen.append("lead")
+        release.wait(120)
+
+    return [_rate_spec(tmp_path, "lead", lead), _rate_spec(tmp_path, "follower", lambda _: seen.append("follower"))]
+
+
+def test_the_lead_query_starts_first_and_the_others_after_its_first_batch(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    release, seen, stop, out = threading.Event(), [], threading.Event(), io.StringIO()
+    specs = _lead_and_follower(tmp_path, release, seen)
+    supervisor = threading.Thread(
+        target=run_continuously, args=(spark, base_settings, specs, stop, out), kwargs={"lead": ("lead",)}, daemon=True
+    )
+    supervisor.start()
+    try:
+        wait_for(lambda: "lead" in seen, 120, "the lead query's first batch")
+        assert "follower" not in {q.name for q in spark.streams.active}, "started before the lead's first batch"
+        release.set()
+        wait_for(lambda: "follower" in seen, 120, "the follower's first batch")
+    finally:
+        release.set()
+        stop.set()
+        supervisor.join(60)
+    assert not supervisor.is_alive()
+    assert "starting the other queries: lead finished a first batch" in out.getvalue()
+
+
+def test_a_stop_while_the_lead_query_is_in_its_first_batch_drains_the_others_too(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    release, seen, stop, out = threading.Event(), [], threading.Event(), io.StringIO()
+    specs = _lead_and_follower(tmp_path, release, seen)
+    supervisor = threading.Thread(
+        target=run_continuously,
+        args=(spark, base_settings, specs, stop, out),
+        # The drain ends once the follower has had a batch: it started although the lead had not finished one.
+        kwargs={"lead": ("lead",), "unread": lambda: [] if "follower" in seen else ["follower"]},
+        daemon=True,
+    )
+    supervisor.start()
+    try:
+        wait_for(lambda: "lead" in seen, 120, "the lead query's first batch")
+        stop.set()
+        wait_for(lambda: "follower" in seen, 120, "the follower to start and run a batch for the drain")
+    finally:
+        release.set()
+        supervisor.join(60)
+    assert not supervisor.is_alive()
+    assert "starting the other queries: a stop drains every query" in out.getvalue()

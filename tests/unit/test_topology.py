@@ -11,6 +11,7 @@ from pipeline.topology import (
     TOPOLOGY,
     Budget,
     downstream_of,
+    lead_queries,
     node,
     queries,
     retired_checkpoints,
@@ -24,6 +25,7 @@ def test_one_query_reads_kafka_and_writes_the_three_landing_tables() -> None:
     assert [n.name for n in readers] == [INGEST]
     assert set(node(INGEST).writes) == {BRONZE, QUARANTINE, SILVER}
     assert TOPOLOGY[0].name == INGEST  # upstream first
+    assert lead_queries() == (INGEST,)  # a stream starts it first, the others after its first trigger
 
 
 def test_queries_producing_a_table_include_what_is_upstream_of_it() -> None:
