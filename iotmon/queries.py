@@ -287,7 +287,7 @@ def run_continuously(
     try:
         while not pause(0.5) and not drained():
             if following and leads_done():
-                start_following(f"{', '.join(sorted(lead))} finished a first batch")
+                start_following(f"{', '.join(sorted(lead))} finished its first trigger")
             for spec in specs:
                 if spec.name in following:
                     continue

@@ -28,7 +28,7 @@ def _held_until(go: Path, started: Path):
     Nondeterministic, so that Spark does not push it below the join into the readings' scan, where a task per
     partition would hold both cores and leave none for the commit it waits for."""
 
-    def hold(_: int) -> bool:
+    def hold(_):  # no type hints: PySpark would try to read a pandas UDF's kind from them, and warn
         started.touch()
         deadline = time.monotonic() + 120
         while not go.exists() and time.monotonic() < deadline:

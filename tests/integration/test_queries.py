@@ -246,7 +246,7 @@ def test_the_lead_query_starts_first_and_the_others_after_its_first_batch(
         stop.set()
         supervisor.join(60)
     assert not supervisor.is_alive()
-    assert "starting the other queries: lead finished a first batch" in out.getvalue()
+    assert "starting the other queries: lead finished its first trigger" in out.getvalue()
 
 
 def test_a_stop_while_the_lead_query_is_in_its_first_batch_drains_the_others_too(
