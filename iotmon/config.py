@@ -364,7 +364,7 @@ class Settings:
         "QUERY_RESTARTS",
         5,
         _parse_non_negative_int,
-        "Times in a row `iotmon stream` restarts a failing query (no batch finished in between) before giving up.",
+        "Times in a row `iotmon stream` restarts a failing query (no batch written in between) before giving up.",
     )
     dashboard_host: str = _setting(
         "DASHBOARD_HOST", "127.0.0.1", str, "Address `iotmon dashboard` listens on (loopback: this machine only)."

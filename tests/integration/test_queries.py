@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,24 @@ from tests.support import wait_for
 pytestmark = pytest.mark.integration
 
 
+def _rate_spec(tmp_path: Path, name: str, write: Callable[[DataFrame, int], None]) -> QuerySpec:
+    """A rate-source query whose batches go to ``write``, checkpointed under ``tmp_path``."""
+
+    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+        return (
+            spark.readStream.format("rate")
+            .option("rowsPerSecond", 10)
+            .load()
+            .writeStream.queryName(name)
+            .foreachBatch(write)
+            .option("checkpointLocation", str(tmp_path / name))
+            .trigger(**trigger)
+            .start()
+        )
+
+    return QuerySpec(name, start)
+
+
 def _flaky_spec(tmp_path: Path, failures: int, batches_seen: list[int]) -> QuerySpec:
     """A rate-source query whose first ``failures`` batches raise, as a broken sink would."""
 
@@ -36,19 +55,7 @@ def _flaky_spec(tmp_path: Path, failures: int, batches_seen: list[int]) -> Query
             raise RuntimeError(f"injected failure in batch {batch_id}")
         batch.count()  # read it: a batch nobody reads has no input rows in its progress
 
-    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-        return (
-            spark.readStream.format("rate")
-            .option("rowsPerSecond", 10)
-            .load()
-            .writeStream.queryName("flaky")
-            .foreachBatch(write)
-            .option("checkpointLocation", str(tmp_path / "checkpoint"))
-            .trigger(**trigger)
-            .start()
-        )
-
-    return QuerySpec("flaky", start)
+    return _rate_spec(tmp_path, "flaky", write)
 
 
 def test_a_failed_query_is_restarted_and_resumes(spark: SparkSession, base_settings: Settings, tmp_path: Path):
@@ -102,23 +109,11 @@ def test_failures_that_each_follow_a_working_batch_do_not_add_up(
         if len(calls) in (2, 4):  # each failure follows a batch that worked (call 1, then call 3: the replay)
             raise RuntimeError(f"injected failure in batch {batch_id}")
 
-    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-        return (
-            spark.readStream.format("rate")
-            .option("rowsPerSecond", 10)
-            .load()
-            .writeStream.queryName("now-and-then")
-            .foreachBatch(write)
-            .option("checkpointLocation", str(tmp_path / "checkpoint"))
-            .trigger(**trigger)
-            .start()
-        )
-
     out, failed = io.StringIO(), []
 
     def supervise() -> None:
         try:
-            run_continuously(spark, settings, [QuerySpec("now-and-then", start)], stop, out)
+            run_continuously(spark, settings, [_rate_spec(tmp_path, "now-and-then", write)], stop, out)
         except QueryFailed as exc:
             failed.append(exc)
 
@@ -199,32 +194,17 @@ def test_each_query_runs_its_jobs_in_a_fair_scheduler_pool_of_its_own(
     assert context.getLocalProperty(SCHEDULER_POOL) is None, "the starting thread's own jobs stay in the default pool"
 
 
-def _rate_spec(tmp_path: Path, name: str, on_batch) -> QuerySpec:
-    """A rate-source query calling ``on_batch(batch_id)`` for each batch."""
-
-    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-        return (
-            spark.readStream.format("rate")
-            .option("rowsPerSecond", 10)
-            .load()
-            .writeStream.queryName(name)
-            .foreachBatch(lambda _, batch_id: on_batch(batch_id))
-            .option("checkpointLocation", str(tmp_path / name))
-            .trigger(**trigger)
-            .start()
-        )
-
-    return QuerySpec(name, start)
-
-
 def _lead_and_follower(tmp_path: Path, release: threading.Event, seen: list[str]) -> list[QuerySpec]:
     """A lead query whose first batch holds until ``release``, and a query that follows it."""
 
-    def lead(_: int) -> None:
+    def lead(_: DataFrame, __: int) -> None:
         seen.append("lead")
         release.wait(120)
 
-    return [_rate_spec(tmp_path, "lead", lead), _rate_spec(tmp_path, "follower", lambda _: seen.append("follower"))]
+    def follower(_: DataFrame, __: int) -> None:
+        seen.append("follower")
+
+    return [_rate_spec(tmp_path, "lead", lead), _rate_spec(tmp_path, "follower", follower)]
 
 
 def test_the_lead_query_starts_first_and_the_others_after_its_first_batch(
