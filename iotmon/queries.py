@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -73,6 +73,11 @@ def start_query(
         return spec.start(spark, settings, trigger)
     finally:
         context.setLocalProperty(SCHEDULER_POOL, None)  # None removes it
+
+
+def wrote_batch(progress: Mapping[str, Any] | None) -> bool:
+    """Whether a progress report is of a batch that reached its sink (not of a trigger that found no data)."""
+    return progress is not None and "addBatch" in progress["durationMs"]
 
 
 class QueryFailed(RuntimeError):
@@ -252,6 +257,11 @@ def run_continuously(
         if spec.name not in following:
             start_when_ready(spec)
     failures: Counter[str] = Counter()
+    wrote: set[str] = set()
+    """Queries that have written a batch since they last started: their next failure is not one in a row.
+    Seen while they run (a batch's report stays the last one for Spark's ``noDataProgressEventInterval``, 10 s,
+    longer than this loop's polls), because Spark keeps only a query's last 99 reports, which an idle query
+    fills with reports of triggers that found no data."""
     report = ProgressReport()
     next_report = time.monotonic() + report_every
     draining = threading.Event()
@@ -297,6 +307,8 @@ def run_continuously(
                     continue
                 query = queries[spec.name]
                 if query.isActive:
+                    if spec.name not in wrote and wrote_batch(query.lastProgress):
+                        wrote.add(spec.name)
                     continue
                 error = query.exception()
                 reason = settings.redact(explain(error)) if error is not None else "stopped"
@@ -304,8 +316,9 @@ def run_continuously(
                     del queries[spec.name]
                     start_when_ready(spec, ended=f"query ended ({reason})")
                     continue
-                if any("addBatch" in p["durationMs"] for p in query.recentProgress):  # a batch reached its sink
+                if spec.name in wrote or any(wrote_batch(p) for p in query.recentProgress):
                     failures[spec.name] = 0
+                wrote.discard(spec.name)
                 failures[spec.name] += 1
                 if failures[spec.name] > settings.query_restarts:
                     raise QueryFailed(

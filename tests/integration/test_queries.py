@@ -129,6 +129,97 @@ def test_failures_that_each_follow_a_working_batch_do_not_add_up(
     assert calls[2] == calls[1] and calls[4] == calls[3], "each failed batch re-run from the checkpoint"
 
 
+def test_a_failure_long_after_a_working_batch_is_not_one_in_a_row(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+):
+    """Spark keeps only a query's last progress reports (99 by default; 1 here), and an idle query fills them with
+    reports of triggers that found no data. A failure after such a quiet spell still follows a working batch:
+    the supervisor saw it while the query ran, so two such failures with a limit of 1 do not end the run."""
+    settings = dataclasses.replace(base_settings, query_restarts=1)
+    source = tmp_path / "source"
+    source.mkdir()
+    fail_next, calls = threading.Event(), []
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        calls.append(batch_id)
+        if fail_next.is_set():
+            fail_next.clear()  # the replay of this batch works
+            raise RuntimeError(f"injected failure in batch {batch_id}")
+
+    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+        return (
+            spark.readStream.schema("n INT")
+            .json(str(source))
+            .writeStream.queryName("quiet")
+            .foreachBatch(write)
+            .option("checkpointLocation", str(tmp_path / "quiet"))
+            .trigger(**trigger)
+            .start()
+        )
+
+    def quiet_spell() -> None:
+        """Until every progress report Spark still keeps is of a trigger that found no data."""
+
+        def kept_reports() -> list[dict]:
+            running = [q for q in spark.streams.active if q.name == "quiet"]
+            return running[0].recentProgress if running else []
+
+        wait_for(
+            lambda: (kept := kept_reports()) and not any("addBatch" in p["durationMs"] for p in kept),
+            120,
+            "a report of a trigger without data",
+        )
+
+    def new_file(n: int) -> None:
+        """A file of one row, renamed into place: the file source never sees it half written."""
+        (source / f".{n}.json").write_text(f'{{"n": {n}}}\n')
+        (source / f".{n}.json").rename(source / f"{n}.json")
+
+    out, failed = io.StringIO(), []
+    stop = threading.Event()
+
+    def supervise() -> None:
+        try:
+            run_continuously(
+                spark,
+                settings,
+                [QuerySpec("quiet", start)],
+                stop,
+                out,
+                trigger_of=lambda _: {"processingTime": "0.2 seconds"},
+            )
+        except QueryFailed as exc:
+            failed.append(exc)
+
+    # One report kept (Spark keeps one fewer than the setting); a trigger without data reported every 2 s, still
+    # longer than the supervisor's polls.
+    retention, interval = (
+        "spark.sql.streaming.numRecentProgressUpdates",
+        "spark.sql.streaming.noDataProgressEventInterval",
+    )
+    spark.conf.set(retention, "2")
+    spark.conf.set(interval, "2s")
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    try:
+        supervisor.start()
+        new_file(0)
+        wait_for(lambda: calls or failed, 120, "a first batch")
+        for failure in (1, 2):
+            quiet_spell()
+            fail_next.set()
+            new_file(failure)
+            # The batch that fails, then its replay after the restart.
+            replayed = 1 + 2 * failure
+            wait_for(lambda n=replayed: len(calls) == n or failed, 120, f"failure {failure} and the replay")
+    finally:
+        stop.set()
+        supervisor.join(60)
+        spark.conf.unset(retention)
+        spark.conf.unset(interval)
+    assert not failed, failed
+    assert out.getvalue().count("quiet: query ended (") == 2
+
+
 def test_a_crash_in_the_first_offset_write_does_not_block_the_query_forever(
     spark: SparkSession, base_settings: Settings, tmp_path: Path
 ) -> None:
