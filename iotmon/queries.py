@@ -184,13 +184,17 @@ def run_until_idle(
         started = time.monotonic()
         query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
         report = ProgressReport()
+        batch_rows: dict[int, int] = {}
+        """Input rows per batch, gathered as the drain goes: Spark keeps only a query's last 99 reports."""
         try:
             while not query.awaitTermination(report_every):
+                batch_rows |= {p["batchId"]: p["numInputRows"] for p in query.recentProgress}
                 for line in report.lines({spec.name: query}, {spec.name: spec.source_reads}):
                     print(line, file=out, flush=True)
         except StreamingQueryException as exc:
             raise QueryFailed(f"query {spec.name} failed: {settings.redact(explain(exc))}") from exc
-        rows[spec.name] = sum(p["numInputRows"] for p in query.recentProgress) // spec.source_reads
+        batch_rows |= {p["batchId"]: p["numInputRows"] for p in query.recentProgress}
+        rows[spec.name] = sum(batch_rows.values()) // spec.source_reads
         print(
             f"{spec.name:<12} drained {rows[spec.name]:,} rows in {time.monotonic() - started:.1f}s",
             file=out,

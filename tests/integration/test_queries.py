@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -252,6 +253,44 @@ def test_a_crash_in_the_first_offset_write_does_not_block_the_query_forever(
     run_until_idle(spark, settings, [spec], out)
     assert seen == [5]
     assert "first: removed .0.5b5a3108-152f-4a30-b5e0-cc790d5b3a60.tmp" in out.getvalue()
+
+
+def test_a_drain_counts_every_batch_it_read(spark: SparkSession, base_settings: Settings, tmp_path: Path) -> None:
+    """Spark keeps only a query's last progress reports (99 by default; 1 here): a drain of more batches than
+    that still counts the rows of all of them."""
+    source = str(tmp_path / "source")
+    for n in range(3):
+        spark.range(n * 10, n * 10 + 10).write.format("delta").mode("append").save(source)
+    out = io.StringIO()
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        batch.count()  # read it: a batch nobody reads has no input rows in its progress
+        # Each batch after the first waits until the drain has reported the one before it, so that batch's
+        # report was read before a newer one could replace it.
+        if batch_id:
+            pattern = rf"batch\s+{batch_id - 1}\s+rows"
+            wait_for(lambda: re.search(pattern, out.getvalue()), 120, f"batch {batch_id - 1} to be reported")
+
+    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+        return (
+            spark.readStream.format("delta")
+            .option("maxFilesPerTrigger", 1)
+            .load(source)
+            .writeStream.queryName("files")
+            .foreachBatch(write)
+            .option("checkpointLocation", str(tmp_path / "files"))
+            .trigger(**trigger)
+            .start()
+        )
+
+    retention = "spark.sql.streaming.numRecentProgressUpdates"
+    spark.conf.set(retention, "2")
+    try:
+        drained = run_until_idle(spark, base_settings, [QuerySpec("files", start)], out, report_every=0.1)
+    finally:
+        spark.conf.unset(retention)
+    assert drained == {"files": 30}
+    assert re.search(r"batch\s+2\s+rows", out.getvalue()), out.getvalue()  # more batches than reports kept
 
 
 def test_each_query_runs_its_jobs_in_a_fair_scheduler_pool_of_its_own(
