@@ -31,7 +31,7 @@ from bench.stats import rate
 from ingest.landing import kafka_records
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
-from iotmon.queries import AVAILABLE_NOW, run_continuously, run_until_idle
+from iotmon.queries import AVAILABLE_NOW, await_batches, run_continuously, run_until_idle
 from pipeline.topology import KAFKA, TOPOLOGY, ensure_tables, lead_queries, queries, trigger_of, triggers_line
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
@@ -107,9 +107,8 @@ def spark_noop_ceiling(spark: SparkSession, settings: Settings, checkpoint: str)
         .trigger(**AVAILABLE_NOW)
         .start()
     )
-    query.awaitTermination()
+    progress = await_batches(query, 10.0)
     seconds = time.monotonic() - started
-    progress = query.recentProgress
     rows = sum(p["numInputRows"] for p in progress)
     in_batches = sum(p["durationMs"].get("triggerExecution", 0) for p in progress) / 1000
     return {

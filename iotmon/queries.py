@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TextIO
 
 from pyspark.errors import StreamingQueryException
@@ -161,10 +162,29 @@ class ProgressReport:
             lines.append(progress_line(query, newest, source_reads.get(name, 1)))
         return lines
 
+    def show(self, queries: dict[str, StreamingQuery], source_reads: dict[str, int], out: TextIO) -> None:
+        for line in self.lines(queries, source_reads):
+            print(line, file=out, flush=True)
+
     @staticmethod
     def _newest_with_rows(query: StreamingQuery, after: int) -> dict[str, Any] | None:
         with_rows = [p for p in query.recentProgress if p["numInputRows"] and p["batchId"] > after]
         return with_rows[-1] if with_rows else None
+
+
+def await_batches(
+    query: StreamingQuery, poll_every: float, on_poll: Callable[[], None] = lambda: None
+) -> list[dict[str, Any]]:
+    """Wait until ``query`` ends (an available-now query); the progress report of each of its batches.
+
+    Gathered as it runs, every ``poll_every`` seconds (then ``on_poll()``): Spark keeps only a query's last 99
+    reports, so a drain of more batches would otherwise count the last ones only."""
+    reports: dict[int, dict[str, Any]] = {}
+    while not query.awaitTermination(poll_every):
+        reports |= {p["batchId"]: p for p in query.recentProgress}
+        on_poll()
+    reports |= {p["batchId"]: p for p in query.recentProgress}
+    return [reports[batch] for batch in sorted(reports)]
 
 
 def run_until_idle(
@@ -183,18 +203,12 @@ def run_until_idle(
             continue
         started = time.monotonic()
         query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
-        report = ProgressReport()
-        batch_rows: dict[int, int] = {}
-        """Input rows per batch, gathered as the drain goes: Spark keeps only a query's last 99 reports."""
+        show = partial(ProgressReport().show, {spec.name: query}, {spec.name: spec.source_reads}, out)
         try:
-            while not query.awaitTermination(report_every):
-                batch_rows |= {p["batchId"]: p["numInputRows"] for p in query.recentProgress}
-                for line in report.lines({spec.name: query}, {spec.name: spec.source_reads}):
-                    print(line, file=out, flush=True)
+            batches = await_batches(query, report_every, show)
         except StreamingQueryException as exc:
             raise QueryFailed(f"query {spec.name} failed: {settings.redact(explain(exc))}") from exc
-        batch_rows |= {p["batchId"]: p["numInputRows"] for p in query.recentProgress}
-        rows[spec.name] = sum(batch_rows.values()) // spec.source_reads
+        rows[spec.name] = sum(p["numInputRows"] for p in batches) // spec.source_reads
         print(
             f"{spec.name:<12} drained {rows[spec.name]:,} rows in {time.monotonic() - started:.1f}s",
             file=out,
@@ -335,8 +349,7 @@ def run_continuously(
                     break
                 queries[spec.name] = start_query(spec, spark, settings, trigger_of(spec), out)
             if time.monotonic() >= next_report:
-                for line in report.lines(queries, reads):
-                    print(line, file=out, flush=True)
+                report.show(queries, reads, out)
                 next_report = time.monotonic() + report_every
     finally:
         for query in queries.values():
