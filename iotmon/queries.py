@@ -330,13 +330,14 @@ def run_continuously(
                     continue
                 error = query.exception()
                 reason = settings.redact(explain(error)) if error is not None else "stopped"
+                after_a_batch = spec.name in wrote or any(wrote_batch(p) for p in query.recentProgress)
+                wrote.discard(spec.name)
                 if spec.waiting_for(spark, settings) is not None:
                     del queries[spec.name]
                     start_when_ready(spec, ended=f"query ended ({reason})")
                     continue
-                if spec.name in wrote or any(wrote_batch(p) for p in query.recentProgress):
+                if after_a_batch:
                     failures[spec.name] = 0
-                wrote.discard(spec.name)
                 failures[spec.name] += 1
                 if failures[spec.name] > settings.query_restarts:
                     raise QueryFailed(
