@@ -29,22 +29,26 @@ from tests.support import wait_for
 pytestmark = pytest.mark.integration
 
 
-def _rate_spec(tmp_path: Path, name: str, write: Callable[[DataFrame, int], None]) -> QuerySpec:
-    """A rate-source query whose batches go to ``write``, checkpointed under ``tmp_path``."""
+def _spec(
+    name: str, read: Callable[[SparkSession], DataFrame], write: Callable[[DataFrame, int], None], checkpoint: str
+) -> QuerySpec:
+    """A query over ``read(spark)`` whose batches go to ``write``, checkpointed at ``checkpoint``."""
 
     def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-        return (
-            spark.readStream.format("rate")
-            .option("rowsPerSecond", 10)
-            .load()
-            .writeStream.queryName(name)
-            .foreachBatch(write)
-            .option("checkpointLocation", str(tmp_path / name))
-            .trigger(**trigger)
-            .start()
-        )
+        stream = read(spark).writeStream.queryName(name).foreachBatch(write)
+        return stream.option("checkpointLocation", checkpoint).trigger(**trigger).start()
 
     return QuerySpec(name, start)
+
+
+def _rate_spec(tmp_path: Path, name: str, write: Callable[[DataFrame, int], None]) -> QuerySpec:
+    """A rate-source query whose batches go to ``write``, checkpointed under ``tmp_path``."""
+    return _spec(
+        name,
+        lambda spark: spark.readStream.format("rate").option("rowsPerSecond", 10).load(),
+        write,
+        str(tmp_path / name),
+    )
 
 
 def _flaky_spec(tmp_path: Path, failures: int, batches_seen: list[int]) -> QuerySpec:
@@ -147,16 +151,9 @@ def test_a_failure_long_after_a_working_batch_is_not_one_in_a_row(
             fail_next.clear()  # the replay of this batch works
             raise RuntimeError(f"injected failure in batch {batch_id}")
 
-    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-        return (
-            spark.readStream.schema("n INT")
-            .json(str(source))
-            .writeStream.queryName("quiet")
-            .foreachBatch(write)
-            .option("checkpointLocation", str(tmp_path / "quiet"))
-            .trigger(**trigger)
-            .start()
-        )
+    quiet = _spec(
+        "quiet", lambda spark: spark.readStream.schema("n INT").json(str(source)), write, str(tmp_path / "quiet")
+    )
 
     def quiet_spell() -> None:
         """Until every progress report Spark still keeps is of a trigger that found no data."""
@@ -184,7 +181,7 @@ def test_a_failure_long_after_a_working_batch_is_not_one_in_a_row(
             run_continuously(
                 spark,
                 settings,
-                [QuerySpec("quiet", start)],
+                [quiet],
                 stop,
                 out,
                 trigger_of=lambda _: {"processingTime": "0.2 seconds"},
@@ -231,21 +228,15 @@ def test_a_crash_in_the_first_offset_write_does_not_block_the_query_forever(
     spark.range(5).write.format("delta").save(source)
     seen: list[int] = []
 
-    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-        return (
-            spark.readStream.format("delta")
-            .load(source)
-            .writeStream.queryName("first")
-            .foreachBatch(lambda batch, _: seen.append(batch.count()))
-            .option("checkpointLocation", settings.checkpoint_path("first"))
-            .trigger(**trigger)
-            .start()
-        )
-
+    spec = _spec(
+        "first",
+        lambda spark: spark.readStream.format("delta").load(source),
+        lambda batch, _: seen.append(batch.count()),
+        settings.checkpoint_path("first"),
+    )
     offsets = Path(settings.checkpoint_path("first")) / "offsets"
     offsets.mkdir(parents=True)
     (offsets / ".0.5b5a3108-152f-4a30-b5e0-cc790d5b3a60.tmp").write_text("v1\n{half written")
-    spec = QuerySpec("first", start)
     with pytest.raises(StreamingQueryException, match="STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY"):
         spec.start(spark, settings, AVAILABLE_NOW).awaitTermination(120)
 
@@ -271,22 +262,17 @@ def test_a_drain_counts_every_batch_it_read(spark: SparkSession, base_settings: 
             pattern = rf"batch\s+{batch_id - 1}\s+rows"
             wait_for(lambda: re.search(pattern, out.getvalue()), 120, f"batch {batch_id - 1} to be reported")
 
-    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-        return (
-            spark.readStream.format("delta")
-            .option("maxFilesPerTrigger", 1)
-            .load(source)
-            .writeStream.queryName("files")
-            .foreachBatch(write)
-            .option("checkpointLocation", str(tmp_path / "files"))
-            .trigger(**trigger)
-            .start()
-        )
+    files = _spec(
+        "files",
+        lambda spark: spark.readStream.format("delta").option("maxFilesPerTrigger", 1).load(source),
+        write,
+        str(tmp_path / "files"),
+    )
 
     retention = "spark.sql.streaming.numRecentProgressUpdates"
     spark.conf.set(retention, "2")
     try:
-        drained = run_until_idle(spark, base_settings, [QuerySpec("files", start)], out, report_every=0.1)
+        drained = run_until_idle(spark, base_settings, [files], out, report_every=0.1)
     finally:
         spark.conf.unset(retention)
     assert drained == {"files": 30}
@@ -305,20 +291,13 @@ def test_each_query_runs_its_jobs_in_a_fair_scheduler_pool_of_its_own(
         pools.append(batch.sparkSession.sparkContext.getLocalProperty(SCHEDULER_POOL))
         batch.count()  # a job, which the scheduler files under the batch's pool
 
-    def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-        return (
-            spark.readStream.format("delta")
-            .load(source)
-            .writeStream.queryName("pooled")
-            .foreachBatch(write)
-            .option("checkpointLocation", settings.checkpoint_path("pooled"))
-            .trigger(**trigger)
-            .start()
-        )
+    pooled = _spec(
+        "pooled", lambda spark: spark.readStream.format("delta").load(source), write, settings.checkpoint_path("pooled")
+    )
 
     context = spark.sparkContext
     assert context.getConf().get("spark.scheduler.mode") == "FAIR"
-    run_until_idle(spark, settings, [QuerySpec("pooled", start)], io.StringIO())
+    run_until_idle(spark, settings, [pooled], io.StringIO())
     assert pools == ["pooled"]
     assert context._jsc.sc().getPoolForName("pooled").isDefined(), "no task set ran in the query's pool"
     assert context.getLocalProperty(SCHEDULER_POOL) is None, "the starting thread's own jobs stay in the default pool"
