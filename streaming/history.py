@@ -13,8 +13,11 @@ gets silver's commits whole (each is one file, ``iotmon.lake.append_once``, and 
 batches between files), so all of them were in the cache or in the reading's own batch; features computed from
 the cache equal those computed from silver, and from the whole archive. Whatever a batch needs that the cache
 does not hold (the scorer's first batch after a start, a device it has not seen, a reading older than what it
-keeps, such as one Kafka delivered beyond the watermark) is read from silver first, in one read for the batch.
-A replayed batch starts with an empty cache and reads silver: the same features.
+keeps, such as one Kafka delivered beyond the watermark) is read from silver first, in one read for the batch,
+and to silver's end: a scorer restarted from its checkpoint has not had the readings its previous run scored,
+and a first batch holding only a reading far older than them (a late-arrivals commit) would otherwise leave
+the device's history without them. A replayed batch starts with an empty cache and reads silver: the same
+features.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from ml.features import FEATURE_COLUMNS, FeatureSpec, device_features
 
 FEATURE_INPUTS: tuple[str, ...] = (DEVICE_ID, SEQ, EVENT_TIME, *METRIC_NAMES, LATENESS)
 """The silver columns a reading's features are computed from."""
-SilverReader = Callable[[Mapping[str, int], int], pa.Table]
-"""Reads silver's ``FEATURE_INPUTS`` rows of each given device from the given epoch microsecond on, up to the
-second argument (epoch microseconds, included)."""
+SilverReader = Callable[[Mapping[str, int]], pa.Table]
+"""Reads silver's ``FEATURE_INPUTS`` rows of each given device from the given epoch microsecond on (all silver
+holds from then, however new)."""
 
 
 @dataclass
@@ -122,7 +125,7 @@ class DeviceHistory:
         starts = {str(d): spec.lookback_start_us(int(first)) for d, first in zip(names, firsts, strict=True)}
         missing = {d: s for d, s in starts.items() if d not in self.devices or self.devices[d].complete_from_us > s}
         if missing:
-            self._load(read_silver(missing, int(event_us.max())), missing)
+            self._load(read_silver(missing), missing)
         features = np.empty((batch.num_rows, len(METRIC_NAMES), len(FEATURE_COLUMNS)))
         for i, name in enumerate(names):
             device, rows = str(name), order[bounds[i] : bounds[i + 1]]

@@ -99,11 +99,10 @@ def _naive_utc(epoch_us: int) -> dt.datetime:
 def silver_reader(spark: SparkSession, settings: Settings) -> SilverReader:
     """Reads what the scorer's history lacks: silver's feature columns of some devices, each from a time on."""
 
-    def read(starts: Mapping[str, int], until_us: int) -> pa.Table:
-        earliest, latest = _naive_utc(min(starts.values())), _naive_utc(until_us)
+    def read(starts: Mapping[str, int]) -> pa.Table:
         devices = spark.createDataFrame([(device,) for device in starts], f"{DEVICE_ID} string")
         silver = spark.read.format("delta").load(settings.table_path(SILVER))
-        in_range = silver.where(F.col(EVENT_TIME).between(F.lit(earliest), F.lit(latest)))
+        in_range = silver.where(F.col(EVENT_TIME) >= F.lit(_naive_utc(min(starts.values()))))
         return in_range.join(F.broadcast(devices), DEVICE_ID, "left_semi").select(*FEATURE_INPUTS).toArrow()
 
     return read

@@ -77,7 +77,7 @@ def test_batch_by_batch_features_equal_those_over_the_whole_archive(ahead: bool)
         # Silver holds this batch and everything before it, and perhaps more.
         committed = archive if ahead else archive.slice(0, start + batch_rows)
 
-        def read_silver(starts: dict[str, int], until_us: int, committed: pa.Table = committed) -> pa.Table:
+        def read_silver(starts: dict[str, int], committed: pa.Table = committed) -> pa.Table:
             reads.append(dict(starts))
             return committed
 
@@ -98,9 +98,8 @@ def test_a_fresh_history_reads_the_lookback_of_the_first_batch_once() -> None:
     history = DeviceHistory(late_s=30.0)
     starts: list[dict[str, int]] = []
 
-    def read_silver(wanted: dict[str, int], until_us: int) -> pa.Table:
+    def read_silver(wanted: dict[str, int]) -> pa.Table:
         starts.append(dict(wanted))
-        assert until_us == max(last.column(EVENT_TIME).cast(pa.int64()).to_pylist())
         return archive  # more than asked for, ahead of the batch too: it must not matter
 
     last = archive.slice(archive.num_rows - 50)
@@ -109,3 +108,33 @@ def test_a_fresh_history_reads_the_lookback_of_the_first_batch_once() -> None:
     first_us = min(last.column(EVENT_TIME).cast(pa.int64()).to_pylist())
     assert min(starts[0].values()) == SPEC.lookback_start_us(first_us)
     assert dt.timedelta(microseconds=first_us - min(starts[0].values())) >= dt.timedelta(seconds=SPEC.lookback_s)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["silver-as-of-the-batch", "silver-ahead-of-the-batch"])
+def test_a_restart_whose_first_batch_is_an_old_reading_alone_misses_nothing_after_it(ahead: bool) -> None:
+    """A scorer restarted from its checkpoint starts with an empty history. If its first batch holds only a
+    reading Kafka delivered far beyond the watermark (a late-arrivals commit of its own), silver is read for
+    that reading's lookback; the device's readings after it, which the previous run scored, are in silver
+    too, and the next batches' features need them (seen in a demo whose drain restarted the scorer)."""
+    archive = _archive()
+    last = archive.num_rows - 1
+    assert (archive.column(DEVICE_ID)[last].as_py(), archive.column(SEQ)[last].as_py()) == ("dev-b", 60)
+    restart = 300  # the previous run scored the first 300 readings; then the far-late one arrives alone
+    arrived = archive.take(pa.array([*range(restart), last, *range(restart, last)]))
+    history = DeviceHistory(late_s=30.0)
+    scored: dict[tuple[str, int], list[float]] = {}
+    for start, end in [(restart, restart + 1), *((s, s + 37) for s in range(restart + 1, arrived.num_rows, 37))]:
+        committed = arrived if ahead else arrived.slice(0, end)
+
+        def read_silver(starts: dict[str, int], committed: pa.Table = committed) -> pa.Table:
+            """What ``streaming.scoring.silver_reader`` reads: the devices' rows from the earliest start on."""
+            event_us = committed.column(EVENT_TIME).cast(pa.int64()).to_numpy()
+            devices = committed.column(DEVICE_ID).to_numpy(zero_copy_only=False)
+            wanted = np.isin(devices, list(starts)) & (event_us >= min(starts.values()))
+            return committed.filter(pa.array(wanted))
+
+        scored |= _by_key(history.featured(arrived.slice(start, end - start), SPEC, read_silver))
+
+    expected = _whole_archive(archive)
+    assert len(scored) == archive.num_rows - restart
+    assert scored == {key: expected[key] for key in scored}  # identical, not close
