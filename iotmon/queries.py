@@ -227,6 +227,7 @@ def run_continuously(
     trigger_of: Callable[[QuerySpec], Trigger] | None = None,
     unread: Callable[[], Sequence[str]] | None = None,
     lead: Collection[str] = (),
+    hold: Callable[[], str | None] | None = None,
 ) -> None:
     """Run the queries until ``stop`` is set, restarting a failed query with exponential backoff; a query that
     fails more than ``IOTMON_QUERY_RESTARTS`` times in a row (without a batch written in between) ends the
@@ -239,7 +240,9 @@ def run_continuously(
 
     The queries named in ``lead`` start first, the others once each of those has finished its first trigger
     (or a stop begins the drain): in a cold JVM, queries starting together share two cores while the JIT
-    warms up, and the first batch of the queries everything else reads took half as long alone.
+    warms up, and the first batch of the queries everything else reads took half as long alone. A lead query
+    waiting to be ready does not hold the others back, unless ``hold()`` gives a reason to wait for it: then
+    the others start once ``hold()`` gives none and the lead queries it made ready have finished a trigger.
     """
     every: Trigger = {"processingTime": settings.trigger_interval}
     trigger_of = trigger_of or (lambda spec: every)
@@ -248,6 +251,7 @@ def run_continuously(
     waiting: dict[str, float] = {}
     """Queries that are not ready, and when to ask again."""
     lead = {name for name in lead if name in reads}
+    specs_by_name = {spec.name: spec for spec in specs}
     following = {spec.name: spec for spec in specs if lead and spec.name not in lead}
     """Queries that start once every lead query has finished a trigger."""
 
@@ -264,6 +268,25 @@ def run_continuously(
     def leads_done() -> bool:
         """Each lead query has finished a trigger in this run (or waits to be ready, so nothing follows it)."""
         return all(name in waiting or (name in queries and queries[name].lastProgress) for name in lead)
+
+    held: str | None = None
+    """The reason ``hold`` last gave (printed once)."""
+
+    def may_follow() -> bool:
+        """The lead queries have done their part: each has finished a trigger, and nothing ``hold`` waits for
+        is pending. When the hold ends, a lead query it made ready starts at once, and the others follow it."""
+        nonlocal held
+        if not leads_done():
+            return False
+        if hold is not None:
+            if (reason := hold()) is not None:
+                if reason != held:
+                    print(f"the other queries wait: {reason}", file=out, flush=True)
+                    held = reason
+                return False
+            for name in [name for name in lead if name in waiting]:
+                start_when_ready(specs_by_name[name])
+        return leads_done()
 
     def start_following(why: str) -> None:
         print(f"starting the other queries: {why}", file=out, flush=True)
@@ -314,8 +337,10 @@ def run_continuously(
 
     try:
         while not pause(0.5) and not drained():
-            if following and leads_done():
-                start_following(f"{', '.join(sorted(lead))} finished its first trigger")
+            if following and may_follow():
+                started = sorted(name for name in lead if name in queries)
+                its = "its" if len(started) == 1 else "their"
+                start_following(f"{' and '.join(started)} finished {its} first trigger")
             for spec in specs:
                 if spec.name in following:
                     continue

@@ -385,7 +385,7 @@ def default_options(settings: Settings) -> TrainOptions:
 
 # -- Periodic training ------------------------------------------------------------------------------------
 
-RETRY_SECONDS = 15.0
+RETRY_SECONDS = 5.0
 """How soon a periodic trainer looks again when the archive is still too small to train on (or unchanged)."""
 WAIT_LINE_SECONDS = 60.0
 """... and how often it says so."""
@@ -398,7 +398,8 @@ class PeriodicTrainer:
     Whether to train is decided without Spark (``archive_extent``): no session is asked for until there is
     data. A run that fails, or finds too little or nothing new, leaves the champion as it was and is tried
     again; ``on_champion`` is called after each run once a champion exists (the first one is the urgent run:
-    until it exists nothing is scored).
+    until it exists nothing is scored). ``ran`` is set once a run has ended, whatever its outcome: a stream
+    starting with no model holds back the queries the first one does not need until then (``pipeline.stream``).
     """
 
     def __init__(
@@ -413,15 +414,17 @@ class PeriodicTrainer:
     ) -> None:
         self.settings, self.session, self.options, self.every_s = settings, session, options, every_s
         self.on_champion, self.out, self.err = on_champion, out or sys.stdout, err or sys.stderr
+        self.ran = threading.Event()
 
     def run(self, stop: threading.Event) -> None:
         spec, trained_on = FeatureSpec.from_settings(self.settings), None
         last_wait_line = -WAIT_LINE_SECONDS
         while True:
-            started, wait = time.monotonic(), self.every_s
+            started, wait, attempted = time.monotonic(), self.every_s, False
             try:
                 if reason := reason_to_wait(archive_extent(self.settings), spec, trained_on):
                     raise TrainingError(reason)
+                attempted = True
                 report = train(self.session(), self.settings, self.options())
                 # The next run starts a full interval after this one ended: on a busy machine a run can outlast
                 # the interval, and back-to-back runs would hold the cores the stream needs.
@@ -443,5 +446,7 @@ class PeriodicTrainer:
                     )
                     return
                 print(f"iotmon train: run failed, champion unchanged: {exc}", file=self.err, flush=True)
+            if attempted:
+                self.ran.set()
             if stop.wait(max(0.0, wait - (time.monotonic() - started))):
                 return

@@ -9,7 +9,11 @@ from typing import TYPE_CHECKING
 from iotmon.config import ConfigError, Settings
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pyspark.sql import SparkSession
+
+    from ml.train import PeriodicTrainer
 
 FIRST_MODEL_POOL, RETRAINING_POOL = "first-model", "retraining"
 """The fair-scheduler pools of a trainer in the stream's session: the first model is as urgent as the scores
@@ -30,6 +34,7 @@ def run_stream(
     from iotmon.preflight import require_writable
     from iotmon.queries import run_continuously, run_until_idle
     from iotmon.spark import spark_session
+    from ml import registry
     from ml.registry import import_mlflow
     from pipeline.clock import EventClock
     from pipeline.drain import unread_now
@@ -43,6 +48,7 @@ def run_stream(
         trigger_of,
         triggers_line,
     )
+    from streaming.scoring import SCORING_QUERY
 
     require_writable(settings, "lake", "checkpoints", "home")
     if retired := retired_checkpoints(settings):
@@ -67,8 +73,12 @@ def run_stream(
             file=sys.stderr,
             flush=True,
         )
+        lead, hold = lead_queries(), None
         if train_every_s:
-            start_trainer(spark, settings, stop, train_every_s)
+            first_model = registry.champion(settings) is None
+            trainer, _ = start_trainer(spark, settings, stop, train_every_s)
+            if first_model:
+                lead, hold = (*lead, SCORING_QUERY.name), first_model_hold(settings, trainer)
         run_continuously(
             spark,
             settings,
@@ -76,8 +86,32 @@ def run_stream(
             stop,
             trigger_of=trigger_of(settings),
             unread=(lambda: unread_now(spark, settings)) if drain_on_stop else None,
-            lead=lead_queries(),
+            lead=lead,
+            hold=hold,
         )
+
+
+def first_model_hold(settings: Settings, trainer: PeriodicTrainer) -> Callable[[], str | None]:
+    """What holds back a stream's queries besides ingest and the scorer while there is no model yet: the
+    in-session trainer's first run, once silver holds enough to train on.
+
+    Until a model exists nothing is scored, and the first training shares two cores with the other queries'
+    cold starts: with them started, the demo's first training took 55 s instead of 25 s, and its first anomaly
+    reached the lake 128-133 s after the start instead of 89-101 s (docs/cost-model.md). So the scorer is a lead
+    query too, and the others wait for the first run, then for the scorer's first trigger. A silver too short
+    to train on holds nothing back: the first run may be minutes away."""
+    from ml.train import FeatureSpec, archive_extent, reason_to_wait
+
+    spec, enough = FeatureSpec.from_settings(settings), False
+
+    def hold() -> str | None:
+        nonlocal enough
+        if trainer.ran.is_set():
+            return None
+        enough = enough or reason_to_wait(archive_extent(settings), spec, None) is None
+        return "the first model is training (the scorer needs it)" if enough else None
+
+    return hold
 
 
 def trainer_pool_weights() -> dict[str, int]:
@@ -88,7 +122,9 @@ def trainer_pool_weights() -> dict[str, int]:
     return {FIRST_MODEL_POOL: node(SCORING_QUERY.name).weight, RETRAINING_POOL: 1}
 
 
-def start_trainer(spark: SparkSession, settings: Settings, stop: threading.Event, every_s: float) -> threading.Thread:
+def start_trainer(
+    spark: SparkSession, settings: Settings, stop: threading.Event, every_s: float
+) -> tuple[PeriodicTrainer, threading.Thread]:
     """Train the anomaly model every ``every_s`` in the stream's session, on a thread of its own (returned),
     until ``stop``.
 
@@ -119,4 +155,4 @@ def start_trainer(spark: SparkSession, settings: Settings, stop: threading.Event
 
     thread.start()
     threading.Thread(target=cancel_at_stop, name="iotmon-trainer-stop", daemon=True).start()
-    return thread
+    return trainer, thread

@@ -182,7 +182,7 @@ def test_a_trainer_in_the_stream_session_gives_up_its_run_at_a_stop_and_otherwis
     settings, _ = archive
     jobs = spark.sparkContext.statusTracker()
     stop = threading.Event()
-    thread = start_trainer(spark, settings, stop, every_s=300.0)
+    _, thread = start_trainer(spark, settings, stop, every_s=300.0)
     wait_for(lambda: jobs.getJobIdsForGroup(TRAINING_JOB_GROUP), 300, "a training job", poll=0.1)
     stop.set()
     wait_for(lambda: not thread.is_alive(), 120, "the trainer to give up its run")
@@ -190,8 +190,9 @@ def test_a_trainer_in_the_stream_session_gives_up_its_run_at_a_stop_and_otherwis
     assert registry.champion(settings) is None, "a run given up promotes nothing"
 
     stop = threading.Event()
-    thread = start_trainer(spark, settings, stop, every_s=300.0)
-    wait_for(lambda: registry.champion(settings) is not None, 600, "the first model")
+    trainer, thread = start_trainer(spark, settings, stop, every_s=300.0)
+    wait_for(trainer.ran.is_set, 600, "the first run to end")  # what a stream's hold waits for
+    assert registry.champion(settings) is not None, "the first model"
     stop.set()  # the trainer now waits for its next run: it ends at once
     wait_for(lambda: not thread.is_alive(), 60, "the trainer to stop")
     out = capsys.readouterr().out

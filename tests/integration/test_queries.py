@@ -338,6 +338,45 @@ def test_the_lead_query_starts_first_and_the_others_after_its_first_batch(
     assert "starting the other queries: lead finished its first trigger" in out.getvalue()
 
 
+def test_a_hold_keeps_the_others_back_until_a_waiting_lead_query_it_made_ready_has_run(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    # The demo's start with no model: the scorer is a lead query waiting for one, and the others wait for the
+    # first training run (the hold), then for the scorer's first trigger.
+    release, model, seen, stop, out = threading.Event(), threading.Event(), [], threading.Event(), io.StringIO()
+    lead, follower = (_rate_spec(tmp_path, name, lambda *_, n=name: seen.append(n)) for name in ("lead", "follower"))
+
+    def scored(_: DataFrame, __: int) -> None:
+        seen.append("scorer")
+        release.wait(120)
+
+    scorer = dataclasses.replace(
+        _rate_spec(tmp_path, "scorer", scored), ready=lambda *_: None if model.is_set() else "no model yet"
+    )
+    supervisor = threading.Thread(
+        target=run_continuously,
+        args=(spark, base_settings, [lead, scorer, follower], stop, out),
+        kwargs={"lead": ("lead", "scorer"), "hold": lambda: None if model.is_set() else "the first model"},
+        daemon=True,
+    )
+    supervisor.start()
+    try:
+        wait_for(lambda: "the other queries wait: the first model" in out.getvalue(), 120, "the hold")
+        assert "scorer: waiting: no model yet" in out.getvalue()
+        assert {q.name for q in spark.streams.active} == {"lead"}
+        model.set()  # the hold ends and the scorer is ready: it starts, the others wait for its first trigger
+        wait_for(lambda: "scorer" in seen, 120, "the scorer's first batch")
+        assert "follower" not in {q.name for q in spark.streams.active}, "started before the scorer's first batch"
+        release.set()
+        wait_for(lambda: "follower" in seen, 120, "the follower's first batch")
+    finally:
+        release.set()
+        stop.set()
+        supervisor.join(60)
+    assert not supervisor.is_alive()
+    assert "starting the other queries: lead and scorer finished their first trigger" in out.getvalue()
+
+
 def test_a_stop_while_the_lead_query_is_in_its_first_batch_drains_the_others_too(
     spark: SparkSession, base_settings: Settings, tmp_path: Path
 ) -> None:

@@ -94,5 +94,33 @@ def test_a_periodic_trainer_waits_for_an_archive_without_starting_spark_and_ends
     err, stop = io.StringIO(), threading.Event()
     stop.set()  # the run ends at its first wait
     settings = Settings.from_env({}, home=tmp_path)
-    PeriodicTrainer(settings, no_session, TrainOptions, every_s=300.0, err=err).run(stop)
+    trainer = PeriodicTrainer(settings, no_session, TrainOptions, every_s=300.0, err=err)
+    trainer.run(stop)
     assert err.getvalue() == f"iotmon train: no silver table yet; looking again every {RETRY_SECONDS:g}s\n"
+    assert not trainer.ran.is_set(), "waiting for data is not a run: a stream's hold would end too soon"
+
+
+def test_a_failed_run_has_ended_too(tmp_path, monkeypatch) -> None:
+    """What a stream starting with no model holds its other queries back for: the first run, however it ends."""
+    import io
+    import threading
+
+    from iotmon.config import Settings
+    from ml import train as train_module
+
+    def broken_session() -> SparkSession:
+        raise RuntimeError("no cores left")
+
+    monkeypatch.setattr(train_module, "reason_to_wait", lambda *_: None)  # enough data
+    err, stop = io.StringIO(), threading.Event()
+    trainer = train_module.PeriodicTrainer(
+        Settings.from_env({}, home=tmp_path), broken_session, train_module.TrainOptions, every_s=300.0, err=err
+    )
+    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert trainer.ran.wait(60), err.getvalue()
+    finally:
+        stop.set()
+        thread.join(60)
+    assert "run failed, champion unchanged: no cores left" in err.getvalue()
