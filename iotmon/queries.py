@@ -236,7 +236,9 @@ def run_continuously(
 
     Each query runs with ``trigger_of(spec)``; by default every ``IOTMON_TRIGGER_INTERVAL``. With ``unread``
     (the running queries that have input they have not read), a stop drains first: the queries, warm, keep
-    running until ``unread()`` is empty, which spares a drain the start of every query and its state.
+    running until ``unread()`` is empty, which spares a drain the start of every query and its state. A drain
+    has no budget left to keep: the queries with a slower trigger are restarted, each between two batches, on
+    the default one, so the drain does not wait for their next trigger.
 
     The queries named in ``lead`` start first, the others once each of those has finished its first trigger
     (or a stop begins the drain): in a cold JVM, queries starting together share two cores while the JIT
@@ -245,7 +247,13 @@ def run_continuously(
     the others start once ``hold()`` gives none and the lead queries it made ready have finished a trigger.
     """
     every: Trigger = {"processingTime": settings.trigger_interval}
-    trigger_of = trigger_of or (lambda spec: every)
+    budget = trigger_of or (lambda spec: every)
+    draining = threading.Event()
+    """Set once ``stop`` is: from then on only ``unread()`` ends the run, and waits do not end early."""
+
+    def trigger(spec: QuerySpec) -> Trigger:
+        return every if draining.is_set() else budget(spec)
+
     queries: dict[str, StreamingQuery] = {}
     reads = {spec.name: spec.source_reads for spec in specs}
     waiting: dict[str, float] = {}
@@ -259,7 +267,7 @@ def run_continuously(
         reason = spec.waiting_for(spark, settings)
         if reason is None:
             waiting.pop(spec.name, None)
-            queries[spec.name] = start_query(spec, spark, settings, trigger_of(spec), out)
+            queries[spec.name] = start_query(spec, spark, settings, trigger(spec), out)
             return
         if spec.name not in waiting:
             print(f"{spec.name}: {ended + '; ' if ended else ''}waiting: {reason}", file=out, flush=True)
@@ -305,8 +313,8 @@ def run_continuously(
     fills with reports of triggers that found no data."""
     report = ProgressReport()
     next_report = time.monotonic() + report_every
-    draining = threading.Event()
-    """Set once ``stop`` is: from then on only ``unread()`` ends the run, and waits do not end early."""
+    slower: set[str] = set()
+    """Draining queries still on a slower trigger than the default: restarted on it between two batches."""
 
     def pause(seconds: float) -> bool:
         """Wait; True when the run should end now."""
@@ -319,6 +327,13 @@ def run_continuously(
             return True
         draining.set()
         print("draining: the queries run on until each has read all its source holds", file=out, flush=True)
+        slower.update(name for name in queries if budget(specs_by_name[name]) != every)
+        if slower:
+            print(
+                f"draining: {', '.join(sorted(slower))} move to the default trigger ({settings.trigger_interval})",
+                file=out,
+                flush=True,
+            )
         if following:
             start_following("a stop drains every query")
         return False
@@ -352,6 +367,11 @@ def run_continuously(
                 if query.isActive:
                     if spec.name not in wrote and wrote_batch(query.lastProgress):
                         wrote.add(spec.name)
+                    if spec.name in slower and not query.status["isTriggerActive"]:
+                        slower.discard(spec.name)
+                        query.stop()
+                        wrote.discard(spec.name)
+                        queries[spec.name] = start_query(spec, spark, settings, trigger(spec), out)
                     continue
                 error = query.exception()
                 reason = settings.redact(explain(error)) if error is not None else "stopped"
@@ -373,7 +393,8 @@ def run_continuously(
                 print(f"{spec.name}: query ended ({reason}); restarting in {backoff:.0f}s", file=out, flush=True)
                 if pause(backoff):
                     break
-                queries[spec.name] = start_query(spec, spark, settings, trigger_of(spec), out)
+                slower.discard(spec.name)  # restarted on the trigger of the moment
+                queries[spec.name] = start_query(spec, spark, settings, trigger(spec), out)
             if time.monotonic() >= next_report:
                 report.show(queries, reads, out)
                 next_report = time.monotonic() + report_every

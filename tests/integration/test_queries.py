@@ -399,3 +399,32 @@ def test_a_stop_while_the_lead_query_is_in_its_first_batch_drains_the_others_too
         supervisor.join(60)
     assert not supervisor.is_alive()
     assert "starting the other queries: a stop drains every query" in out.getvalue()
+
+
+def test_a_drain_moves_a_query_on_a_slow_trigger_to_the_default_one(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    # The final windows run every 30 s: at a stop, a drain would wait for their next trigger. Here the trigger
+    # is an hour, so only the move to the default trigger (1 s here) lets the drain end.
+    seen, stop, out = [], threading.Event(), io.StringIO()
+    slow = _rate_spec(tmp_path, "slow", lambda _, batch_id: seen.append(batch_id))
+    supervisor = threading.Thread(
+        target=run_continuously,
+        args=(spark, base_settings, [slow], stop, out),
+        kwargs={
+            "trigger_of": lambda _: {"processingTime": "1 hour"},
+            "unread": lambda: [] if len(seen) > 1 else ["slow"],
+        },
+        daemon=True,
+    )
+    supervisor.start()
+    try:
+        wait_for(lambda: seen, 120, "the first batch")  # a processing-time trigger runs one at once
+        stop.set()
+        supervisor.join(120)
+    finally:
+        stop.set()
+        supervisor.join(60)
+    assert not supervisor.is_alive(), out.getvalue()
+    assert "draining: slow move to the default trigger (1 seconds)" in out.getvalue()
+    assert seen[:2] == [0, 1], "the next batch ran on the default trigger; the first was not run again"
