@@ -6,8 +6,10 @@ import dataclasses
 import io
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyspark.errors import StreamingQueryException
@@ -316,25 +318,47 @@ def _lead_and_follower(tmp_path: Path, release: threading.Event, seen: list[str]
     return [_rate_spec(tmp_path, "lead", lead), _rate_spec(tmp_path, "follower", follower)]
 
 
-def test_the_lead_query_starts_first_and_the_others_after_its_first_batch(
-    spark: SparkSession, base_settings: Settings, tmp_path: Path
-) -> None:
-    release, seen, stop, out = threading.Event(), [], threading.Event(), io.StringIO()
-    specs = _lead_and_follower(tmp_path, release, seen)
+def _follower_waits_for(first: str, spark: SparkSession, seen: list[str], release: threading.Event) -> None:
+    """The follower does not start while ``first``'s first batch is held, and runs once it is released."""
+    wait_for(lambda: first in seen, 120, f"the {first} query's first batch")
+    assert "follower" not in {q.name for q in spark.streams.active}, f"started before the {first} query's first batch"
+    release.set()
+    wait_for(lambda: "follower" in seen, 120, "the follower's first batch")
+
+
+@contextmanager
+def _supervising(
+    spark: SparkSession,
+    settings: Settings,
+    specs: list[QuerySpec],
+    out: io.StringIO,
+    release: threading.Event | None = None,
+    **options: Any,
+) -> Iterator[threading.Event]:
+    """``run_continuously`` on a thread of its own; yields its stop. At the end ``release`` lets a held batch go,
+    the run is stopped, and it must have ended."""
+    stop = threading.Event()
     supervisor = threading.Thread(
-        target=run_continuously, args=(spark, base_settings, specs, stop, out), kwargs={"lead": ("lead",)}, daemon=True
+        target=run_continuously, args=(spark, settings, specs, stop, out), kwargs=options, daemon=True
     )
     supervisor.start()
     try:
-        wait_for(lambda: "lead" in seen, 120, "the lead query's first batch")
-        assert "follower" not in {q.name for q in spark.streams.active}, "started before the lead's first batch"
-        release.set()
-        wait_for(lambda: "follower" in seen, 120, "the follower's first batch")
+        yield stop
     finally:
-        release.set()
+        if release is not None:
+            release.set()
         stop.set()
         supervisor.join(60)
-    assert not supervisor.is_alive()
+    assert not supervisor.is_alive(), out.getvalue()
+
+
+def test_the_lead_query_starts_first_and_the_others_after_its_first_batch(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    release, seen, out = threading.Event(), [], io.StringIO()
+    specs = _lead_and_follower(tmp_path, release, seen)
+    with _supervising(spark, base_settings, specs, out, release, lead=("lead",)):
+        _follower_waits_for("lead", spark, seen, release)
     assert "starting the other queries: lead finished its first trigger" in out.getvalue()
 
 
@@ -343,7 +367,7 @@ def test_a_hold_keeps_the_others_back_until_a_waiting_lead_query_it_made_ready_h
 ) -> None:
     # The demo's start with no model: the scorer is a lead query waiting for one, and the others wait for the
     # first training run (the hold), then for the scorer's first trigger.
-    release, model, seen, stop, out = threading.Event(), threading.Event(), [], threading.Event(), io.StringIO()
+    release, model, seen, out = threading.Event(), threading.Event(), [], io.StringIO()
     lead, follower = (_rate_spec(tmp_path, name, lambda *_, n=name: seen.append(n)) for name in ("lead", "follower"))
 
     def scored(_: DataFrame, __: int) -> None:
@@ -353,51 +377,34 @@ def test_a_hold_keeps_the_others_back_until_a_waiting_lead_query_it_made_ready_h
     scorer = dataclasses.replace(
         _rate_spec(tmp_path, "scorer", scored), ready=lambda *_: None if model.is_set() else "no model yet"
     )
-    supervisor = threading.Thread(
-        target=run_continuously,
-        args=(spark, base_settings, [lead, scorer, follower], stop, out),
-        kwargs={"lead": ("lead", "scorer"), "hold": lambda: None if model.is_set() else "the first model"},
-        daemon=True,
-    )
-    supervisor.start()
-    try:
+
+    def hold() -> str | None:
+        return None if model.is_set() else "the first model"
+
+    specs = [lead, scorer, follower]
+    with _supervising(spark, base_settings, specs, out, release, lead=("lead", "scorer"), hold=hold):
         wait_for(lambda: "the other queries wait: the first model" in out.getvalue(), 120, "the hold")
         assert "scorer: waiting: no model yet" in out.getvalue()
         assert {q.name for q in spark.streams.active} == {"lead"}
         model.set()  # the hold ends and the scorer is ready: it starts, the others wait for its first trigger
-        wait_for(lambda: "scorer" in seen, 120, "the scorer's first batch")
-        assert "follower" not in {q.name for q in spark.streams.active}, "started before the scorer's first batch"
-        release.set()
-        wait_for(lambda: "follower" in seen, 120, "the follower's first batch")
-    finally:
-        release.set()
-        stop.set()
-        supervisor.join(60)
-    assert not supervisor.is_alive()
+        _follower_waits_for("scorer", spark, seen, release)
     assert "starting the other queries: lead and scorer finished their first trigger" in out.getvalue()
 
 
 def test_a_stop_while_the_lead_query_is_in_its_first_batch_drains_the_others_too(
     spark: SparkSession, base_settings: Settings, tmp_path: Path
 ) -> None:
-    release, seen, stop, out = threading.Event(), [], threading.Event(), io.StringIO()
+    release, seen, out = threading.Event(), [], io.StringIO()
     specs = _lead_and_follower(tmp_path, release, seen)
-    supervisor = threading.Thread(
-        target=run_continuously,
-        args=(spark, base_settings, specs, stop, out),
-        # The drain ends once the follower has had a batch: it started although the lead had not finished one.
-        kwargs={"lead": ("lead",), "unread": lambda: [] if "follower" in seen else ["follower"]},
-        daemon=True,
-    )
-    supervisor.start()
-    try:
+
+    def unread() -> list[str]:
+        """The drain ends once the follower has had a batch: it started although the lead had not finished one."""
+        return [] if "follower" in seen else ["follower"]
+
+    with _supervising(spark, base_settings, specs, out, release, lead=("lead",), unread=unread) as stop:
         wait_for(lambda: "lead" in seen, 120, "the lead query's first batch")
         stop.set()
         wait_for(lambda: "follower" in seen, 120, "the follower to start and run a batch for the drain")
-    finally:
-        release.set()
-        supervisor.join(60)
-    assert not supervisor.is_alive()
     assert "starting the other queries: a stop drains every query" in out.getvalue()
 
 
@@ -406,25 +413,17 @@ def test_a_drain_moves_a_query_on_a_slow_trigger_to_the_default_one(
 ) -> None:
     # The final windows run every 30 s: at a stop, a drain would wait for their next trigger. Here the trigger
     # is an hour, so only the move to the default trigger (1 s here) lets the drain end.
-    seen, stop, out = [], threading.Event(), io.StringIO()
+    seen, out = [], io.StringIO()
     slow = _rate_spec(tmp_path, "slow", lambda _, batch_id: seen.append(batch_id))
-    supervisor = threading.Thread(
-        target=run_continuously,
-        args=(spark, base_settings, [slow], stop, out),
-        kwargs={
-            "trigger_of": lambda _: {"processingTime": "1 hour"},
-            "unread": lambda: [] if len(seen) > 1 else ["slow"],
-        },
-        daemon=True,
-    )
-    supervisor.start()
-    try:
+
+    def hourly(_: QuerySpec) -> Trigger:
+        return {"processingTime": "1 hour"}
+
+    def unread() -> list[str]:
+        return [] if len(seen) > 1 else ["slow"]
+
+    with _supervising(spark, base_settings, [slow], out, trigger_of=hourly, unread=unread) as stop:
         wait_for(lambda: seen, 120, "the first batch")  # a processing-time trigger runs one at once
-        stop.set()
-        supervisor.join(120)
-    finally:
-        stop.set()
-        supervisor.join(60)
-    assert not supervisor.is_alive(), out.getvalue()
+        stop.set()  # the run must now end by itself, within the minute it is given
     assert "draining: slow move to the default trigger (1 seconds)" in out.getvalue()
     assert seen[:2] == [0, 1], "the next batch ran on the default trigger; the first was not run again"
