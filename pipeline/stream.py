@@ -125,8 +125,8 @@ def trainer_pool_weights() -> dict[str, int]:
 def start_trainer(
     spark: SparkSession, settings: Settings, stop: threading.Event, every_s: float
 ) -> tuple[PeriodicTrainer, threading.Thread]:
-    """Train the anomaly model every ``every_s`` in the stream's session, on a thread of its own (returned),
-    until ``stop``.
+    """Train the anomaly model every ``every_s`` in the stream's session, on a thread of its own, until
+    ``stop``; returns the trainer and its thread.
 
     A JVM that runs the stream has already run most of what training runs (Delta reads, Spark SQL, Python
     workers): the first model, the one the scorer waits for, trains sooner there than in a trainer's cold JVM
