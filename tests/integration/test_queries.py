@@ -65,34 +65,48 @@ def _flaky_spec(tmp_path: Path, failures: int, batches_seen: list[int]) -> Query
     return _rate_spec(tmp_path, "flaky", write)
 
 
+@contextmanager
+def _supervising(
+    spark: SparkSession,
+    settings: Settings,
+    specs: list[QuerySpec],
+    out: io.StringIO,
+    release: threading.Event | None = None,
+    **options: Any,
+) -> Iterator[threading.Event]:
+    """``run_continuously`` on a thread of its own; yields its stop. At the end ``release`` lets a held batch go,
+    the run is stopped, and it must have ended."""
+    stop = threading.Event()
+    supervisor = threading.Thread(
+        target=run_continuously, args=(spark, settings, specs, stop, out), kwargs=options, daemon=True
+    )
+    supervisor.start()
+    try:
+        yield stop
+    finally:
+        if release is not None:
+            release.set()
+        stop.set()
+        supervisor.join(60)
+    assert not supervisor.is_alive(), out.getvalue()
+
+
 def test_a_failed_query_is_restarted_and_resumes(spark: SparkSession, base_settings: Settings, tmp_path: Path):
     batches: list[int] = []
-    stop = threading.Event()
     out = io.StringIO()
-    supervisor = threading.Thread(
-        target=run_continuously,
-        args=(spark, base_settings, [_flaky_spec(tmp_path, 1, batches)], stop, out),
-        kwargs={"report_every": 0.5},
-        daemon=True,
-    )
 
     def reported() -> list[str]:
         return [line for line in out.getvalue().splitlines() if line.startswith("flaky        batch ")]
 
-    supervisor.start()
-    try:
+    with _supervising(spark, base_settings, [_flaky_spec(tmp_path, 1, batches)], out, report_every=0.5):
         wait_for(
             lambda: len(batches) >= 3 and len(set(reported())) >= 2,
             120,
             "the query to run again after its failure, and two batches of it reported",
         )
-    finally:
-        stop.set()
-        supervisor.join(60)
     assert "flaky: query ended (" in out.getvalue() and "injected failure" in out.getvalue()
     assert batches[1] == batches[0], "the failed batch must be re-run from the checkpoint, same id"
     assert len(reported()) == len(set(reported())), "each batch reported once, not at every report"
-    assert not supervisor.is_alive()
     assert not [q for q in spark.streams.active if q.name == "flaky"]
 
 
@@ -324,32 +338,6 @@ def _follower_waits_for(first: str, spark: SparkSession, seen: list[str], releas
     assert "follower" not in {q.name for q in spark.streams.active}, f"started before the {first} query's first batch"
     release.set()
     wait_for(lambda: "follower" in seen, 120, "the follower's first batch")
-
-
-@contextmanager
-def _supervising(
-    spark: SparkSession,
-    settings: Settings,
-    specs: list[QuerySpec],
-    out: io.StringIO,
-    release: threading.Event | None = None,
-    **options: Any,
-) -> Iterator[threading.Event]:
-    """``run_continuously`` on a thread of its own; yields its stop. At the end ``release`` lets a held batch go,
-    the run is stopped, and it must have ended."""
-    stop = threading.Event()
-    supervisor = threading.Thread(
-        target=run_continuously, args=(spark, settings, specs, stop, out), kwargs=options, daemon=True
-    )
-    supervisor.start()
-    try:
-        yield stop
-    finally:
-        if release is not None:
-            release.set()
-        stop.set()
-        supervisor.join(60)
-    assert not supervisor.is_alive(), out.getvalue()
 
 
 def test_the_lead_query_starts_first_and_the_others_after_its_first_batch(
