@@ -35,7 +35,6 @@ def run_stream(
     from iotmon.queries import run_continuously, run_until_idle
     from iotmon.spark import spark_session
     from ml import registry
-    from ml.registry import import_mlflow
     from pipeline.clock import EventClock
     from pipeline.drain import unread_now
     from pipeline.topology import (
@@ -57,7 +56,7 @@ def run_stream(
             "its ingest query would archive every Kafka record again. Start over with `iotmon reset`, which "
             "keeps Kafka's data for the stream to archive anew (or `make demo ARGS=--fresh`)"
         )
-    import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
+    registry.import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
     ensure_topic(settings)
     weights = {**pool_weights(), **(trainer_pool_weights() if train_every_s else {})}
     spark = spark_session(settings, "iotmon-stream", weights)
@@ -100,7 +99,8 @@ def first_model_hold(settings: Settings, trainer: PeriodicTrainer) -> Callable[[
     reached the lake 128-133 s after the start instead of 89-101 s (docs/cost-model.md). So the scorer is a lead
     query too, and the others wait for the first run, then for the scorer's first trigger. A silver too short
     to train on holds nothing back: the first run may be minutes away."""
-    from ml.train import FeatureSpec, archive_extent, reason_to_wait
+    from ml.features import FeatureSpec
+    from ml.train import archive_extent, reason_to_wait
 
     spec, enough = FeatureSpec.from_settings(settings), False
 
