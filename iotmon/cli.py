@@ -286,12 +286,12 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
         # retraining yields the cores to the stream (this process and its Spark JVM).
         lower_priority(os.getpid(), PERIODIC_TRAINER_NICENESS)
 
-    stop = stop_on_signals(abandon_run)
+    stop = stop_on_signals()
     trainer = PeriodicTrainer(
         settings, session, lambda: replace(options, truth=truth()), args.every, on_champion=yield_the_cores
     )
     try:
-        trainer.run(stop)
+        trainer.start(stop, abandon_run).join()
     finally:
         for spark in sessions:  # its JVM and py4j's threads end with the session, so the process exits at once
             spark.stop()

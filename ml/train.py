@@ -389,6 +389,8 @@ RETRY_SECONDS = 5.0
 """How soon a periodic trainer looks again when the archive is still too small to train on (or unchanged)."""
 WAIT_LINE_SECONDS = 60.0
 """... and how often it says so."""
+CANCEL_EVERY_SECONDS = 1.0
+"""After a stop, how often the run's Spark jobs are cancelled again until it has given up."""
 
 
 class PeriodicTrainer:
@@ -400,6 +402,7 @@ class PeriodicTrainer:
     again; ``on_champion`` is called after each run once a champion exists (the first one is the urgent run:
     until it exists nothing is scored). ``ran`` is set once a run has ended, whatever its outcome: a stream
     starting with no model holds back the queries the first one does not need until then (``pipeline.stream``).
+    ``start`` runs it on a thread of its own and gives up the run in progress at the stop.
     """
 
     def __init__(
@@ -424,6 +427,8 @@ class PeriodicTrainer:
             try:
                 if reason := reason_to_wait(archive_extent(self.settings), spec, trained_on):
                     raise TrainingError(reason)
+                if stop.is_set():  # stopped while deciding: no run to start
+                    return
                 attempted = True
                 report = train(self.session(), self.settings, self.options())
                 # The next run starts a full interval after this one ended: on a busy machine a run can outlast
@@ -450,3 +455,19 @@ class PeriodicTrainer:
                 self.ran.set()
             if stop.wait(max(0.0, wait - (time.monotonic() - started))):
                 return
+
+    def start(self, stop: threading.Event, cancel: Callable[[], None]) -> threading.Thread:
+        """``run`` on a thread of its own (returned) until ``stop``; at the stop, ``cancel`` (the run's Spark jobs)
+        is called until the run gives up. Once is not enough: a run computing features in Python, or starting
+        its session, meanwhile starts its next job after the cancel, and would otherwise finish (and promote)."""
+        thread = threading.Thread(target=self.run, args=(stop,), name="iotmon-trainer", daemon=True)
+
+        def cancel_at_stop() -> None:
+            stop.wait()
+            while thread.is_alive():
+                cancel()
+                thread.join(CANCEL_EVERY_SECONDS)
+
+        thread.start()
+        threading.Thread(target=cancel_at_stop, name="iotmon-trainer-stop", daemon=True).start()
+        return thread

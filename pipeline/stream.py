@@ -145,14 +145,5 @@ def start_trainer(
         return spark
 
     trainer = PeriodicTrainer(settings, session, lambda: default_options(settings), every_s)
-    thread = threading.Thread(target=trainer.run, args=(stop,), name="iotmon-trainer", daemon=True)
-
-    def cancel_at_stop() -> None:
-        stop.wait()
-        while thread.is_alive():  # until the run notices: a job started after a cancel is cancelled again
-            spark.sparkContext.cancelJobGroup(TRAINING_JOB_GROUP)
-            thread.join(1.0)
-
-    thread.start()
-    threading.Thread(target=cancel_at_stop, name="iotmon-trainer-stop", daemon=True).start()
+    thread = trainer.start(stop, lambda: spark.sparkContext.cancelJobGroup(TRAINING_JOB_GROUP))
     return trainer, thread

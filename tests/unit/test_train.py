@@ -124,3 +124,47 @@ def test_a_failed_run_has_ended_too(tmp_path, monkeypatch) -> None:
         stop.set()
         thread.join(60)
     assert "run failed, champion unchanged: no cores left" in err.getvalue()
+
+
+def test_a_stop_cancels_the_runs_jobs_until_the_run_gives_up(tmp_path, monkeypatch) -> None:
+    """A stop that lands while the run computes in Python finds no job to cancel; the job it starts next is
+    cancelled too, so the run is given up rather than finished (and promoted)."""
+    import io
+    import threading
+
+    from iotmon.config import Settings
+    from ml import train as train_module
+
+    started, cancelled = threading.Event(), threading.Event()
+    jobs: list[threading.Event] = []
+    cancels: list[int] = []  # how many jobs the run had started at each cancel
+    ran_to_its_end: list[bool] = []
+
+    def cancel() -> None:
+        cancels.append(len(jobs))
+        for job in jobs:
+            job.set()
+        cancelled.set()
+
+    def a_run(*_: object) -> None:
+        started.set()
+        assert cancelled.wait(60)  # the features, in Python: the stop's first cancel finds no job
+        job = threading.Event()
+        jobs.append(job)
+        ran_to_its_end.append(not job.wait(60))  # the next Spark job: a cancel ends it
+        raise RuntimeError("Job cancelled")
+
+    monkeypatch.setattr(train_module, "reason_to_wait", lambda *_: None)  # enough data
+    monkeypatch.setattr(train_module, "train", a_run)
+    out, stop = io.StringIO(), threading.Event()
+    trainer = train_module.PeriodicTrainer(
+        Settings.from_env({}, home=tmp_path), lambda: None, train_module.TrainOptions, every_s=300.0, out=out
+    )
+    thread = trainer.start(stop, cancel)
+    assert started.wait(60)
+    stop.set()
+    thread.join(120)
+    assert not thread.is_alive()
+    assert ran_to_its_end == [False], "the job ran to its end: the run was not given up"
+    assert cancels[0] == 0 and cancels[-1] == 1, cancels
+    assert "iotmon train: stopped; the run in progress was abandoned, champion unchanged" in out.getvalue()
