@@ -348,24 +348,25 @@ class ChaosRun:
         restarts = set(self.rng.sample(range(options.kills), options.broker_restarts))
         for kill in range(1, options.kills + 1):
             self._stream_run(kill, restart_broker=kill - 1 in restarts)
+        if not simulator.stop(signal.SIGINT, STOP_PATIENCE_S):
+            self.mismatch("the simulator did not stop on SIGINT, so its ground truth is incomplete")
+        # Nothing more is published: the drain can start at once, beside a trainer not yet killed mid-write.
+        drain = self._start_drain()
         if self._trainer_kills() < options.trainer_kills:
-            self.say("chaos: stream kills done; the stream runs on until the trainer has been killed mid-write")
-            stream = self.spawn("stream", "stream")
+            self.say("chaos: stream kills done; the trainer runs on beside the drain until killed mid-write")
             self._wait_for_trainer_kills()
-            if not stream.stop(signal.SIGTERM, STOP_PATIENCE_S):
-                self.mismatch("the last stream run did not stop on SIGTERM")
         self.stopping.set()
         self.trainer_thread.join(STOP_PATIENCE_S + 60)
         if self.trainer_error is not None:
             raise self.trainer_error
         if self.trainer is not None and not self.trainer.stop(signal.SIGINT, STOP_PATIENCE_S):
             self.say("chaos: the trainer did not stop within its patience and was killed")
-        if not simulator.stop(signal.SIGINT, STOP_PATIENCE_S):
-            self.mismatch("the simulator did not stop on SIGINT, so its ground truth is incomplete")
         for group in self.groups:
-            group.make_gone()
+            if group is not drain:
+                group.make_gone()
         self._shortfalls()
-        self._drain_and_reconcile()
+        if self._drained(drain):
+            self._reconcile()
         self.report.seconds = round(self.elapsed(), 1)
         return self.report
 
@@ -573,18 +574,24 @@ class ChaosRun:
 
     # --- drain and reconcile ---------------------------------------------------------------------------------
 
-    def _drain_and_reconcile(self) -> None:
-        from ingest.verify import reconcile
-        from iotmon.spark import spark_session
-        from streaming.verify import reconcile_analytics
-
+    def _start_drain(self) -> Group:
         self.say(f"chaos: draining what Kafka holds, {self.elapsed():.1f} s after start")
-        drain = self.spawn("drain", "stream", "--until-idle")
+        return self.spawn("drain", "stream", "--until-idle")
+
+    def _drained(self, drain: Group) -> bool:
+        """Whether the drain ended well; a mismatch otherwise."""
         if not drain.gone_within(DRAIN_PATIENCE_S):
             drain.make_gone()
         if drain.process.returncode != 0:
             self.mismatch(f"`iotmon stream --until-idle` failed (code {drain.process.returncode}); see drain.log")
-            return
+            return False
+        return True
+
+    def _reconcile(self) -> None:
+        from ingest.verify import reconcile
+        from iotmon.spark import spark_session
+        from streaming.verify import reconcile_analytics
+
         self.say(f"chaos: reconciling every table, {self.elapsed():.1f} s after start")
         truth = sorted(self.settings.truth_dir.glob("*.parquet"))
         spark = spark_session(self.settings, "iotmon-chaos")

@@ -58,7 +58,6 @@ def test_chaos_run_injects_every_fault_and_reconciles_exactly(isolated: Settings
         seed=4,
         devices=40,
         rate=80.0,
-        retrain_every_s=120.0,  # a run takes about a minute here: the stream keeps a core between runs
         max_delay_s=20.0,
     )
     out = io.StringIO()
