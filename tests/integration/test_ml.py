@@ -7,6 +7,7 @@ import datetime as dt
 import threading
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -24,6 +25,7 @@ from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from streaming import scoring
+from streaming.history import FEATURE_INPUTS
 from streaming.scoring import SCORING_QUERY, serving_model, start_scoring
 from streaming.verify import anomalies_against_silver
 from tests.support import wait_for
@@ -130,6 +132,24 @@ def test_trainer_registers_promotes_and_keeps_the_champion_against_worse_or_brok
     with pytest.raises(scoring.ModelUnavailable):
         serving_model(settings, None)
     assert "cannot be loaded" in SCORING_QUERY.waiting_for(spark, settings)
+
+
+def test_the_scorers_silver_reader_reads_each_device_from_a_time_to_silvers_end(archive, spark) -> None:
+    """What the scorer's history relies on (tests/unit/test_history.py replays it): the rows of the devices it
+    is asked for, from the earliest time given to the end of silver, not only up to a batch's readings."""
+    settings, _ = archive
+    silver = spark.read.format("delta").load(settings.table_path(SILVER))
+    devices = [row[0] for row in silver.select("device_id").distinct().orderBy("device_id").collect()]
+    device = devices[0]  # of several: the others must not be read
+    event_us = F.unix_micros("event_time")
+    times = sorted(row[0] for row in silver.where(F.col("device_id") == device).select(event_us).collect())
+    start_us = times[len(times) // 2]
+
+    read = scoring.silver_reader(spark, settings)({device: start_us})
+    assert len(devices) > 1 and set(read.column("device_id").to_pylist()) == {device}
+    # From the time given to silver's end.
+    assert sorted(read.column("event_time").cast(pa.int64()).to_pylist()) == times[len(times) // 2 :]
+    assert read.column_names == list(FEATURE_INPUTS)
 
 
 def test_scorer_scores_every_reading_and_follows_a_promotion_without_restart(archive, spark) -> None:
