@@ -103,6 +103,16 @@ def committed_watermarks(spark: SparkSession, checkpoint: str) -> tuple[datetime
     return _timestamp(start_ms), _timestamp(max(start_ms, end_ms))
 
 
+def final_watermarks(spark: SparkSession, settings: Settings) -> tuple[datetime | None, datetime | None]:
+    """How far the final tables are complete (``committed_watermarks`` of the final windows query): surely up
+    to the first time, perhaps up to the second. After a backfill they hold rows up to its mark even before the
+    stream finalised any."""
+    backfilled = final_through(spark, settings)
+    marks = committed_watermarks(spark, settings.checkpoint_path(DEVICE_WINDOWS))
+    lower, upper = (max((m for m in (mark, backfilled) if m is not None), default=None) for mark in marks)
+    return lower, upper
+
+
 def _timestamp(epoch_ms: int) -> datetime | None:
     return datetime.fromtimestamp(epoch_ms / 1000, UTC).replace(tzinfo=None) if epoch_ms else None
 
@@ -204,10 +214,7 @@ def reconcile_analytics(
         check.problems += _silver_against_truth(spark, silver, bronze_identity(bronze), truth, rules)
 
     spec = WindowSpec.from_settings(settings)
-    # After a backfill the final tables hold rows up to its mark even before the stream finalised any.
-    backfilled = final_through(spark, settings)
-    lower, upper = committed_watermarks(spark, settings.checkpoint_path(DEVICE_WINDOWS))
-    lower, upper = (max((m for m in (mark, backfilled) if m is not None), default=None) for mark in (lower, upper))
+    lower, upper = final_watermarks(spark, settings)
     check.watermark = lower
     for table, compute in FINAL_TABLES.items():
         progress(f"{table} against its batch recomputation")

@@ -32,7 +32,7 @@ from pipeline.stream import run_stream
 from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
-from streaming.verify import KEYS, compare_tables, reconcile_analytics
+from streaming.verify import KEYS, compare_tables, final_watermarks, reconcile_analytics
 from streaming.windows import FINAL_TABLES, WindowSpec, tumbling_device_windows
 from tests.support import isolated_settings, wait_for
 
@@ -122,7 +122,7 @@ def test_silver_and_gold_equal_a_batch_recomputation_and_the_truth(fleet: tuple[
 
 def test_dropouts_take_devices_offline_and_back(fleet: tuple[Settings, Path], spark: SparkSession):
     isolated, truth = fleet
-    watermark = reconcile_analytics(spark, isolated).watermark
+    watermark, _ = final_watermarks(spark, isolated)
     offline_after = dt.timedelta(seconds=interval_seconds(isolated.offline_after))
     episodes = [
         (e["device_id"], dt.datetime.fromisoformat(e["start"]), dt.datetime.fromisoformat(e["end"]))
@@ -154,7 +154,7 @@ def test_backfill_rebuilds_what_the_stream_produced_and_a_second_run_extends_it(
     truth = isolated.home / "truth-1.parquet"
     _simulate(isolated, truth, START, seed=31, duration=300)
     _drain(spark, isolated)
-    watermark_after_first = reconcile_analytics(spark, isolated, [truth]).watermark
+    watermark_after_first, _ = final_watermarks(spark, isolated)
     streamed = {
         table: spark.read.format("delta").load(isolated.table_path(table)).localCheckpoint()
         for table in (SILVER, *FINAL_TABLES, LIVE_WINDOWS)
