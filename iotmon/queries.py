@@ -237,8 +237,10 @@ def run_continuously(
     Each query runs with ``trigger_of(spec)``; by default every ``IOTMON_TRIGGER_INTERVAL``. With ``unread``
     (the running queries that have input they have not read), a stop drains first: the queries, warm, keep
     running until ``unread()`` is empty, which spares a drain the start of every query and its state. A drain
-    has no budget left to keep: the queries with a slower trigger are restarted, each between two batches, on
-    the default one, so the drain does not wait for their next trigger.
+    has no budget left to keep: the queries with a slower trigger are restarted on the default one, so the
+    drain does not wait for their next trigger. Each is stopped between two batches and started again once
+    the lead queries have read all their sources hold: meanwhile the lead queries, which everything else
+    reads, finish alone, and each query then reads what is left in one batch.
 
     The queries named in ``lead`` start first, the others once each of those has finished its first trigger
     (or a stop begins the drain): in a cold JVM, queries starting together share two cores while the JIT
@@ -314,7 +316,9 @@ def run_continuously(
     report = ProgressReport()
     next_report = time.monotonic() + report_every
     slower: set[str] = set()
-    """Draining queries still on a slower trigger than the default: restarted on it between two batches."""
+    """Draining queries still on a slower trigger than the default: stopped between two batches..."""
+    parked: set[str] = set()
+    """... and started again on it once the lead queries have read all their sources hold."""
 
     def pause(seconds: float) -> bool:
         """Wait; True when the run should end now."""
@@ -345,10 +349,15 @@ def run_continuously(
         if unread is None or not draining.is_set() or time.monotonic() < next_check:
             return False
         next_check = time.monotonic() + DRAIN_CHECK_SECONDS  # each check asks Kafka and reads Delta logs
-        behind = unread()  # a query waiting to be ready is not running: it has nothing to drain
+        behind = unread()  # a query waiting to be ready (or parked) is not running: it is not in the answer
         if behind and time.monotonic() >= next_report:
             print(f"draining: {', '.join(behind)} still reading", file=out, flush=True)
-        return not behind
+        if parked and lead.isdisjoint(behind):
+            for name in sorted(parked):
+                queries[name] = start_query(specs_by_name[name], spark, settings, every, out)
+            parked.clear()
+            return False
+        return not behind and not parked
 
     try:
         while not pause(0.5) and not drained():
@@ -363,6 +372,8 @@ def run_continuously(
                     if time.monotonic() >= waiting[spec.name]:
                         start_when_ready(spec)
                     continue
+                if spec.name in parked:
+                    continue
                 query = queries[spec.name]
                 if query.isActive:
                     if spec.name not in wrote and wrote_batch(query.lastProgress):
@@ -371,7 +382,7 @@ def run_continuously(
                         slower.discard(spec.name)
                         query.stop()
                         wrote.discard(spec.name)
-                        queries[spec.name] = start_query(spec, spark, settings, trigger(spec), out)
+                        parked.add(spec.name)
                     continue
                 error = query.exception()
                 reason = settings.redact(explain(error)) if error is not None else "stopped"

@@ -415,3 +415,34 @@ def test_a_drain_moves_a_query_on_a_slow_trigger_to_the_default_one(
         stop.set()  # the run must now end by itself, within the minute it is given
     assert "draining: slow move to the default trigger (1 seconds)" in out.getvalue()
     assert seen[:2] == [0, 1], "the next batch ran on the default trigger; the first was not run again"
+
+
+def test_a_drain_lets_the_lead_query_finish_alone_then_restarts_the_others_on_the_default_trigger(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    # At a demo's stop the ingest query still has Kafka to read; the others, all on slower triggers, wait
+    # (stopped) until it has read everything, then each reads what is left.
+    seen: list[str] = []
+    lead, follower = (_rate_spec(tmp_path, name, lambda *_, n=name: seen.append(n)) for name in ("lead", "follower"))
+    lead_read_all, checks, out = threading.Event(), [], io.StringIO()
+
+    def hourly_follower(spec: QuerySpec) -> Trigger:
+        return {"processingTime": "1 hour" if spec.name == "follower" else base_settings.trigger_interval}
+
+    def unread() -> list[str]:
+        checks.append(seen.count("follower"))
+        if not lead_read_all.is_set():
+            return ["lead"]
+        return [] if seen.count("follower") > 1 else ["follower"]
+
+    options = {"lead": ("lead",), "trigger_of": hourly_follower, "unread": unread}
+    with _supervising(spark, base_settings, [lead, follower], out, **options) as stop:
+        wait_for(lambda: "follower" in seen, 120, "the follower's first batch")
+        stop.set()
+        wait_for(lambda: "follower" not in {q.name for q in spark.streams.active}, 120, "the follower to stop")
+        parked_at = len(checks)
+        wait_for(lambda: len(checks) >= parked_at + 2, 60, "two drain checks while the lead query reads")
+        assert seen.count("follower") == 1, "the follower ran again before the lead query had read everything"
+        lead_read_all.set()
+        wait_for(lambda: seen.count("follower") > 1, 120, "the follower's batch on the default trigger")
+    assert "draining: follower move to the default trigger (1 seconds)" in out.getvalue()
