@@ -345,6 +345,8 @@ def run_continuously(
     next_check = 0.0
 
     def drained() -> bool:
+        """Whether every query has read all its sources hold (asked every ``DRAIN_CHECK_SECONDS``). The same
+        answer tells when the lead queries have: then the parked queries start again, and the drain goes on."""
         nonlocal next_check
         if unread is None or not draining.is_set() or time.monotonic() < next_check:
             return False
