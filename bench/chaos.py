@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from iotmon import broker
 from iotmon.config import Settings
-from iotmon.schema import ALERTS, ANOMALIES, BRONZE, INGEST, QUARANTINE
+from iotmon.schema import ALERTS, ANOMALIES, BRONZE, INGEST, QUARANTINE, SILVER
 
 STREAM_KILL = "stream_kill"
 BROKER_RESTART = "broker_restart"
@@ -588,29 +588,29 @@ class ChaosRun:
         return True
 
     def _reconcile(self) -> None:
-        from ingest.verify import reconcile
         from iotmon.spark import spark_session
-        from streaming.verify import reconcile_analytics
+        from pipeline.verify import reconcile_lake
 
         self.say(f"chaos: reconciling every table, {self.elapsed():.1f} s after start")
         truth = sorted(self.settings.truth_dir.glob("*.parquet"))
         spark = spark_session(self.settings, "iotmon-chaos")
-        archive = reconcile(spark, self.settings, truth)
-        analytics = reconcile_analytics(
-            spark, self.settings, truth, progress=lambda what: self.say(f"chaos: checking {what}")
-        )
+        check = reconcile_lake(spark, self.settings, truth, progress=lambda what: self.say(f"chaos: checking {what}"))
+        archive, analytics = check.archive, check.analytics
         self.say(archive.report())
-        self.say(analytics.report())
         checked = self.report.checked
         checked["kafka records"] = sum(p.kafka_high - p.kafka_low for p in archive.partitions)
         checked[BRONZE] = sum(p.bronze_rows for p in archive.partitions)
         checked[QUARANTINE] = archive.quarantine_rows
         if archive.truth is not None:
             checked["ground truth sends"] = archive.truth.sends
-        checked.update(analytics.rows_checked)
-        checked[ALERTS] = analytics.alerts
-        checked["champion"] = analytics.champion.version if analytics.champion else 0
-        for problem in [*archive.problems, *analytics.problems]:
+        if analytics is None:
+            self.mismatch(f"no {SILVER} table at {self.settings.table_path(SILVER)}: the stream never created it")
+        else:
+            self.say(analytics.report())
+            checked.update(analytics.rows_checked)
+            checked[ALERTS] = analytics.alerts
+            checked["champion"] = analytics.champion.version if analytics.champion else 0
+        for problem in check.problems:
             self.mismatch(problem)
 
 

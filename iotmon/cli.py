@@ -172,12 +172,11 @@ def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
     from delta.tables import DeltaTable
 
-    from ingest.verify import reconcile
     from iotmon.kafka import require_broker
     from iotmon.preflight import local_directory
-    from iotmon.schema import BRONZE, QUARANTINE, SILVER
+    from iotmon.schema import BRONZE, QUARANTINE
     from iotmon.spark import spark_session
-    from streaming.verify import reconcile_analytics
+    from pipeline.verify import reconcile_lake
 
     def no_table(table: str) -> CommandError:
         return CommandError(f"no {table} table at {settings.table_path(table)}; run `iotmon stream` first")
@@ -192,14 +191,11 @@ def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
     for table in (BRONZE, QUARANTINE):
         if not DeltaTable.isDeltaTable(spark, settings.table_path(table)):
             raise no_table(table)
-    result = reconcile(spark, settings, truth)
-    print(result.report())
-    problems = list(result.problems)
-    if DeltaTable.isDeltaTable(spark, settings.table_path(SILVER)):
-        analytics = reconcile_analytics(spark, settings, truth, progress=_checking)
-        print(analytics.report())
-        problems += analytics.problems
-    return 0 if not problems else EXIT_MISMATCH
+    check = reconcile_lake(spark, settings, truth, progress=_checking)
+    print(check.archive.report())
+    if check.analytics is not None:
+        print(check.analytics.report())
+    return 0 if not check.problems else EXIT_MISMATCH
 
 
 def _checking(what: str) -> None:

@@ -30,6 +30,7 @@ from iotmon.schema import (
 from pipeline.backfill import backfill
 from pipeline.stream import run_stream
 from pipeline.topology import ensure_tables, queries
+from pipeline.verify import reconcile_lake
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from streaming.verify import KEYS, compare_tables, final_watermarks, reconcile_analytics
@@ -83,8 +84,12 @@ def fleet(kafka: Settings, spark: SparkSession, tmp_path_factory: pytest.TempPat
 
 def test_silver_and_gold_equal_a_batch_recomputation_and_the_truth(fleet: tuple[Settings, Path], spark: SparkSession):
     isolated, truth = fleet
-    check = reconcile_analytics(spark, isolated, [truth])
-    assert check.problems == [], check.report()
+    lake = reconcile_lake(spark, isolated, [truth])  # the archive against Kafka, beside silver and gold
+    check = lake.analytics
+    assert check is not None, lake.archive.report()
+    assert lake.problems == [], lake.archive.report() + "\n" + check.report()
+    assert lake.archive.truth is not None and lake.archive.truth.ok
+    assert sum(p.bronze_rows for p in lake.archive.partitions) == lake.archive.truth.delivered > 0
     assert check.watermark is not None and all(check.rows_checked.values()), check.report()
 
     sends = pq.read_table(truth).to_pandas()
