@@ -559,16 +559,14 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
         drain = threading.Event()
 
         def wind_down() -> None:
-            """At a stop, nothing new is published and nothing else competes for the cores (a dashboard page
-            refreshing itself, a training run: the stream cancels it), then the stream drains."""
+            """At a stop, the stream drains as soon as nothing new is published; meanwhile what else competes
+            for the cores stops too (the dashboard and the MLflow UI; the stream cancels a training run)."""
             stop.wait()
-            children.stop_all()
-            print(
-                "stopped the fleet, the dashboard and the MLflow UI; the trainer stops, "
-                "the stream drains, then the lake is reconciled",
-                flush=True,
-            )
+            children.stop("simulator")
             drain.set()
+            print("stopped the fleet; the trainer stops, the stream drains, then the lake is reconciled", flush=True)
+            children.stop("dashboard", "mlflow")
+            print("stopped the dashboard and the MLflow UI", flush=True)
 
         threading.Thread(target=wind_down, name="iotmon-demo-wind-down", daemon=True).start()
         run_stream(settings, drain, drain_on_stop=True, train_every_s=retrain_every_s)
