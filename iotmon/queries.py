@@ -228,6 +228,7 @@ def run_continuously(
     unread: Callable[[], Sequence[str]] | None = None,
     lead: Collection[str] = (),
     hold: Callable[[], str | None] | None = None,
+    upstream: Callable[[str], Collection[str]] | None = None,
 ) -> None:
     """Run the queries until ``stop`` is set, restarting a failed query with exponential backoff; a query that
     fails more than ``IOTMON_QUERY_RESTARTS`` times in a row (without a batch written in between) ends the
@@ -239,8 +240,9 @@ def run_continuously(
     running until ``unread()`` is empty, which spares a drain the start of every query and its state. A drain
     has no budget left to keep: the queries with a slower trigger are restarted on the default one, so the
     drain does not wait for their next trigger. Each is stopped between two batches and started again once
-    the lead queries have read all their sources hold: meanwhile the lead queries, which everything else
-    reads, finish alone, and each query then reads what is left in one batch.
+    every query ``upstream(name)`` names (by default the lead queries) has read all its source holds: the
+    lead queries, which everything else reads, finish alone, and each query then reads what is left in one
+    batch, once, instead of a batch for what its upstream has written so far and another for the rest.
 
     The queries named in ``lead`` start first, the others once each of those has finished its first trigger
     (or a stop begins the drain): in a cold JVM, queries starting together share two cores while the JIT
@@ -261,6 +263,7 @@ def run_continuously(
     waiting: dict[str, float] = {}
     """Queries that are not ready, and when to ask again."""
     lead = {name for name in lead if name in reads}
+    upstream_of = upstream or (lambda name: lead)
     specs_by_name = {spec.name: spec for spec in specs}
     following = {spec.name: spec for spec in specs if lead and spec.name not in lead}
     """Queries that start once every lead query has finished a trigger."""
@@ -346,7 +349,8 @@ def run_continuously(
 
     def drained() -> bool:
         """Whether every query has read all its sources hold (asked every ``DRAIN_CHECK_SECONDS``). The same
-        answer tells when the lead queries have: then the parked queries start again, and the drain goes on."""
+        answer tells which parked queries may start again (every query upstream of them has read all its
+        source holds): then they do, and the drain goes on."""
         nonlocal next_check
         if unread is None or not draining.is_set() or time.monotonic() < next_check:
             return False
@@ -354,10 +358,11 @@ def run_continuously(
         behind = unread()  # a query waiting to be ready (or parked) is not running: it is not in the answer
         if behind and time.monotonic() >= next_report:
             print(f"draining: {', '.join(behind)} still reading", file=out, flush=True)
-        if parked and lead.isdisjoint(behind):
-            for name in sorted(parked):
-                queries[name] = start_query(specs_by_name[name], spark, settings, every, out)
-            parked.clear()
+        pending = {*behind, *parked}
+        if due := [spec for spec in specs if spec.name in parked and pending.isdisjoint(upstream_of(spec.name))]:
+            for spec in due:
+                queries[spec.name] = start_query(spec, spark, settings, every, out)
+                parked.discard(spec.name)
             return False
         return not behind and not parked
 

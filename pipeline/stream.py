@@ -46,6 +46,7 @@ def run_stream(
         source_reads,
         trigger_of,
         triggers_line,
+        upstream_of,
     )
     from streaming.scoring import SCORING_QUERY
 
@@ -87,6 +88,7 @@ def run_stream(
             unread=(lambda: unread_now(spark, settings)) if drain_on_stop else None,
             lead=lead,
             hold=hold,
+            upstream=upstream_of,
         )
 
 

@@ -176,6 +176,13 @@ def lead_queries() -> tuple[str, ...]:
     return tuple(n.name for n in TOPOLOGY if n.source == KAFKA)
 
 
+def upstream_of(name: str) -> tuple[str, ...]:
+    """The queries that write what query ``name`` streams from, directly or through other queries, upstream
+    first: a drain starts ``name`` again once each of them has read all its source holds
+    (``iotmon.queries.run_continuously``), so that it reads what is left once."""
+    return tuple(spec.name for spec in queries(producing=(node(name).source,)))
+
+
 def node(name: str) -> Node:
     return next(n for n in TOPOLOGY if n.name == name)
 

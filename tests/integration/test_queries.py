@@ -417,32 +417,54 @@ def test_a_drain_moves_a_query_on_a_slow_trigger_to_the_default_one(
     assert seen[:2] == [0, 1], "the next batch ran on the default trigger; the first was not run again"
 
 
-def test_a_drain_lets_the_lead_query_finish_alone_then_restarts_the_others_on_the_default_trigger(
+def test_a_drain_restarts_each_parked_query_on_the_default_trigger_once_its_upstream_has_read_all(
     spark: SparkSession, base_settings: Settings, tmp_path: Path
 ) -> None:
     # At a demo's stop the ingest query still has Kafka to read; the others, all on slower triggers, wait
-    # (stopped) until it has read everything, then each reads what is left.
+    # (stopped) until every query upstream of them has read all its source holds, then read what is left once:
+    # here "upstream" after the lead, "downstream" after both.
     seen: list[str] = []
-    lead, follower = (_rate_spec(tmp_path, name, lambda *_, n=name: seen.append(n)) for name in ("lead", "follower"))
+    restarts: list[tuple[str, int]] = []
+    """Each start after the stop: the query, and how many batches "upstream" had run by then."""
+    stopping = threading.Event()
+
+    def recorded(spec: QuerySpec) -> QuerySpec:
+        def start(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+            if stopping.is_set():
+                restarts.append((spec.name, seen.count("upstream")))
+            return spec.start(spark, settings, trigger)
+
+        return dataclasses.replace(spec, start=start)
+
+    names = ("lead", "upstream", "downstream")
+    specs = [recorded(_rate_spec(tmp_path, name, lambda *_, n=name: seen.append(n))) for name in names]
+    followers = names[1:]
+    upstream = {"lead": (), "upstream": ("lead",), "downstream": ("lead", "upstream")}
     lead_read_all, checks, out = threading.Event(), [], io.StringIO()
 
-    def hourly_follower(spec: QuerySpec) -> Trigger:
-        return {"processingTime": "1 hour" if spec.name == "follower" else base_settings.trigger_interval}
+    def hourly_followers(spec: QuerySpec) -> Trigger:
+        return {"processingTime": "1 hour" if spec.name in followers else base_settings.trigger_interval}
 
     def unread() -> list[str]:
-        checks.append(seen.count("follower"))
+        checks.append(len(seen))
         if not lead_read_all.is_set():
             return ["lead"]
-        return [] if seen.count("follower") > 1 else ["follower"]
+        running = {q.name for q in spark.streams.active}
+        return [name for name in followers if name in running and seen.count(name) < 2]
 
-    options = {"lead": ("lead",), "trigger_of": hourly_follower, "unread": unread}
-    with _supervising(spark, base_settings, [lead, follower], out, **options) as stop:
-        wait_for(lambda: "follower" in seen, 120, "the follower's first batch")
+    options = {"lead": ("lead",), "trigger_of": hourly_followers, "unread": unread, "upstream": upstream.__getitem__}
+    with _supervising(spark, base_settings, specs, out, **options) as stop:
+        wait_for(lambda: all(name in seen for name in followers), 120, "the followers' first batches")
+        stopping.set()
         stop.set()
-        wait_for(lambda: "follower" not in {q.name for q in spark.streams.active}, 120, "the follower to stop")
+        wait_for(lambda: {q.name for q in spark.streams.active}.isdisjoint(followers), 120, "the followers to stop")
         parked_at = len(checks)
         wait_for(lambda: len(checks) >= parked_at + 2, 60, "two drain checks while the lead query reads")
-        assert seen.count("follower") == 1, "the follower ran again before the lead query had read everything"
+        assert [seen.count(name) for name in followers] == [1, 1], "a follower ran again before the lead had read all"
+        assert restarts == []
         lead_read_all.set()
-        wait_for(lambda: seen.count("follower") > 1, 120, "the follower's batch on the default trigger")
-    assert "draining: follower move to the default trigger (1 seconds)" in out.getvalue()
+        wait_for(lambda: all(seen.count(name) > 1 for name in followers), 120, "the followers' default triggers")
+    assert "draining: downstream, upstream move to the default trigger (1 seconds)" in out.getvalue()
+    # "upstream" started again first, and "downstream" only once "upstream" had read all (its second batch).
+    assert [name for name, _ in restarts] == ["upstream", "downstream"], restarts
+    assert restarts[1][1] >= 2, restarts

@@ -5,7 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from iotmon.config import Settings
-from iotmon.schema import ANOMALIES, BRONZE, DEVICE_WINDOWS, INGEST, LATE_ARRIVALS, QUARANTINE, SILVER
+from iotmon.schema import (
+    ALERTS,
+    ANOMALIES,
+    BRONZE,
+    DEVICE_STATUS,
+    DEVICE_WINDOWS,
+    INGEST,
+    LATE_ARRIVALS,
+    QUARANTINE,
+    SILVER,
+)
 from pipeline.topology import (
     KAFKA,
     TOPOLOGY,
@@ -17,6 +27,7 @@ from pipeline.topology import (
     retired_checkpoints,
     trigger_of,
     triggers_line,
+    upstream_of,
 )
 
 
@@ -31,6 +42,14 @@ def test_one_query_reads_kafka_and_writes_the_three_landing_tables() -> None:
 def test_queries_producing_a_table_include_what_is_upstream_of_it() -> None:
     assert [q.name for q in queries([SILVER])] == [INGEST, LATE_ARRIVALS]
     assert INGEST in {q.name for q in queries([DEVICE_WINDOWS])}
+
+
+def test_a_draining_query_waits_for_every_query_writing_what_it_streams_from() -> None:
+    assert upstream_of(INGEST) == ()
+    assert upstream_of(LATE_ARRIVALS) == (INGEST,)
+    # Silver has two writers: a silver reader started before the late arrivals drained would need a second batch.
+    assert upstream_of(DEVICE_STATUS) == upstream_of(DEVICE_WINDOWS) == (INGEST, LATE_ARRIVALS)
+    assert upstream_of(ALERTS) == (INGEST, LATE_ARRIVALS, ANOMALIES)
 
 
 def test_a_backfill_resets_what_reads_bronze_but_not_the_ingest_query() -> None:
