@@ -4,7 +4,8 @@ with.
 
 The two read different tables and share only the Spark session, so they run at once, the archive's on a thread
 of its own. Each is a series of small Spark jobs whose driver-side work (planning, Delta logs, Kafka's offsets)
-leaves a core idle, which the other's work then takes (docs/cost-model.md, "The demo's stop").
+leaves a core idle, which the other's work then takes (docs/cost-model.md, "The demo's first minute, and its
+stop").
 """
 
 from __future__ import annotations
