@@ -309,24 +309,22 @@ def _stored(state: DeviceState, timer_ms: int | None) -> tuple:
 
 
 def _frame(device_id: str, updates: list[Update]) -> pd.DataFrame:
-    rows = [
-        {
-            DEVICE_ID: device_id,
-            "version": u.state.version,
-            "changed": u.changed,
-            "status": u.state.status,
-            "previous_status": u.previous_status,
-            "since_ms": u.state.since_ms,
-            "last_seen_ms": u.state.last_seen_ms,
-            SEQ: u.state.seq,
-            "reason": u.state.reason,
-            "device_type": u.state.device_type,
-            "site": u.state.site,
-        }
-        for u in updates
-    ]
-    # object dtype keeps a null seq null instead of turning the column into floats
-    return pd.DataFrame(rows, columns=_OPERATOR_OUTPUT.fieldNames()).astype({SEQ: "object"})
+    states = [u.state for u in updates]
+    columns = {
+        DEVICE_ID: [device_id] * len(updates),
+        "version": [s.version for s in states],
+        "changed": [u.changed for u in updates],
+        "status": [s.status for s in states],
+        "previous_status": [u.previous_status for u in updates],
+        "since_ms": [s.since_ms for s in states],
+        "last_seen_ms": [s.last_seen_ms for s in states],
+        # object dtype keeps a null seq null instead of turning the column into floats
+        SEQ: np.array([s.seq for s in states], dtype=object),
+        "reason": [s.reason for s in states],
+        "device_type": [s.device_type for s in states],
+        "site": [s.site for s in states],
+    }
+    return pd.DataFrame(columns, columns=_OPERATOR_OUTPUT.fieldNames())
 
 
 def _optional(value: object) -> object:
@@ -336,32 +334,36 @@ def _optional(value: object) -> object:
 def significant_readings(state: DeviceState | None, frame: pd.DataFrame, rules: StatusRules) -> list[Reading]:
     """The readings of a batch that ``advance`` needs to emit what all of them would, in arrival order: the
     first and the last of the newer ones, each whose status differs from the one before, and both sides of
-    every silence of ``offline_after``. Chosen with array operations, so that a batch's steady readings never
-    become Python objects: they would only have moved ``last_seen`` on, which the last reading does too."""
+    every silence of ``offline_after``. Chosen with array operations on the batch's columns, so that a batch's
+    steady readings never become Python objects: they would only have moved ``last_seen`` on, which the last
+    reading does too. Runs once per device and batch, so it avoids pandas' per-call overhead."""
     if frame.empty:
         return []
-    frame = frame.sort_values(list(ARRIVAL_ORDER), kind="stable")
-    event_ms = frame["event_ms"].to_numpy(dtype=np.int64)
-    seq = frame[SEQ].astype("float64").fillna(-1).to_numpy(dtype=np.int64)
+    arrival = np.lexsort((frame["offset"].to_numpy(), frame["partition"].to_numpy()))  # stable, as Kafka ordered
+    event_ms = frame["event_ms"].to_numpy(dtype=np.int64)[arrival]
+    seqs = [None if _optional(value) is None else int(value) for value in frame[SEQ].to_numpy(dtype=object)[arrival]]
+    seq = np.array([-1 if value is None else value for value in seqs], dtype=np.int64)
     # Newer than every reading before it (in arrival order) and than the state: compared by rank of
     # (event time, seq), so that a running maximum says it.
     by_key = np.lexsort((seq, event_ms))
-    distinct = np.ones(len(frame), dtype=bool)
+    distinct = np.ones(len(arrival), dtype=bool)
     distinct[1:] = (np.diff(event_ms[by_key]) != 0) | (np.diff(seq[by_key]) != 0)
-    rank = np.empty(len(frame), dtype=np.int64)
+    rank = np.empty(len(arrival), dtype=np.int64)
     rank[by_key] = np.cumsum(distinct)  # equal readings, equal rank
-    newer = np.ones(len(frame), dtype=bool)
+    newer = np.ones(len(arrival), dtype=bool)
     newer[1:] = rank[1:] > np.maximum.accumulate(rank)[:-1]
     if state is not None:
         last = (state.last_seen_ms, state.seq if state.seq is not None else -1)
         newer &= (event_ms > last[0]) | ((event_ms == last[0]) & (seq > last[1]))
-    rows = frame[newer]
-    if rows.empty:
+    rows = arrival[newer]
+    if len(rows) == 0:
         return []
     event_ms = event_ms[newer]
-    battery = rows["battery"].astype("float64").to_numpy()
-    out_of_range = rows["out_of_range"].fillna("").str.len().to_numpy() > 0
-    degraded = out_of_range | (battery < rules.low_battery)  # NaN compares False: no battery, no degradation
+    seqs = [value for value, kept in zip(seqs, newer, strict=True) if kept]
+    battery = frame["battery"].to_numpy(dtype="float64", na_value=np.nan)[rows]
+    out_of_range = frame["out_of_range"].to_numpy(dtype=object)[rows]
+    flagged = np.array([isinstance(value, str) and value != "" for value in out_of_range], dtype=bool)
+    degraded = flagged | (battery < rules.low_battery)  # NaN compares False: no battery, no degradation
     chosen = np.zeros(len(rows), dtype=bool)
     chosen[0] = chosen[-1] = True
     chosen[1:] |= degraded[1:] != degraded[:-1]
@@ -369,21 +371,30 @@ def significant_readings(state: DeviceState | None, frame: pd.DataFrame, rules: 
     silence[1:] = event_ms[1:] >= event_ms[:-1] + rules.offline_after_ms
     chosen |= silence
     chosen[:-1] |= silence[1:]
-    registry = rows[["device_type", "site"]].ffill()
-    follows = np.concatenate(([-1], event_ms[:-1]))
-    picked = rows.assign(device_type=registry["device_type"], site=registry["site"], follows_ms=follows)[chosen]
+    device_type = _filled_forward(frame["device_type"].to_numpy(dtype=object)[rows])
+    site = _filled_forward(frame["site"].to_numpy(dtype=object)[rows])
     return [
         Reading(
-            event_ms=int(row.event_ms),
-            seq=int(row.seq) if _optional(row.seq) is not None else None,
-            battery=float(row.battery) if _optional(row.battery) is not None else None,
-            out_of_range=_optional(row.out_of_range),
-            device_type=_optional(row.device_type),
-            site=_optional(row.site),
-            follows_ms=int(row.follows_ms) if row.follows_ms >= 0 else None,
+            event_ms=int(event_ms[i]),
+            seq=seqs[i],
+            battery=None if np.isnan(battery[i]) else float(battery[i]),
+            out_of_range=_optional(out_of_range[i]),
+            device_type=device_type[i],
+            site=site[i],
+            follows_ms=int(event_ms[i - 1]) if i > 0 else None,
         )
-        for row in picked.itertuples(index=False)
+        for i in np.flatnonzero(chosen)
     ]
+
+
+def _filled_forward(values: np.ndarray) -> list[object]:
+    """Each null replaced by the last value before it (None before the first)."""
+    filled, last = [], None
+    for value in values:
+        if _optional(value) is not None:
+            last = value
+        filled.append(last)
+    return filled
 
 
 class DeviceStatusProcessor(StatefulProcessor):
@@ -403,7 +414,9 @@ class DeviceStatusProcessor(StatefulProcessor):
         self, key: tuple[str], rows: Iterator[pd.DataFrame], timerValues: TimerValues
     ) -> Iterator[pd.DataFrame]:
         state, timer_ms = _state_of(self._device.get())
-        updates = advance(state, significant_readings(state, pd.concat(rows), self._rules), self._rules)
+        frames = list(rows)
+        batch = frames[0] if len(frames) == 1 else pd.concat(frames)  # one frame unless a device's rows are many
+        updates = advance(state, significant_readings(state, batch, self._rules), self._rules)
         if not updates:
             return
         state = updates[-1].state
