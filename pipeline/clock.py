@@ -92,19 +92,32 @@ class EventClock(threading.Thread):
         move the watermark on) reports none."""
         self.ticks = 0
 
+    def _query(self, name: str) -> Any:
+        return next((q for q in self.spark.streams.active if q.name == name), None)
+
     def _progress(self, name: str) -> Mapping[str, Any] | None:
-        query = next((q for q in self.spark.streams.active if q.name == name), None)
+        query = self._query(name)
         return query.lastProgress if query is not None else None
 
     def observe(self, kafka_high: Callable[[], Mapping[int, int]], table_version: Callable[[str], int]) -> Observed:
-        ingest = self._progress(INGEST)
-        if ingest is not None and ingest["batchId"] > self.ingest_batch:
-            self.ingest_batch = ingest["batchId"]
-            if ingest.get("numInputRows"):
+        query = self._query(INGEST)
+        ingest = query.lastProgress if query is not None else None
+        # Every report since the last round, not only the last one: a batch of readings followed at once by a
+        # batch without any (Spark runs one to move the watermark on) must still set the newest event time.
+        reports: list[Mapping[str, Any]] = []
+        if ingest is not None and ingest["batchId"] > self.ingest_batch + 1:
+            reports = query.recentProgress  # up to a hundred, parsed from the JVM: only when one was missed
+        elif ingest is not None:
+            reports = [ingest]
+        for report in reports:
+            if report["batchId"] <= self.ingest_batch:
+                continue
+            self.ingest_batch = report["batchId"]
+            if report.get("numInputRows"):
                 self.last_record_at = time.monotonic()
-        if newest := (ingest or {}).get("eventTime", {}).get("max"):
-            reported = datetime.fromisoformat(newest.replace("Z", "+00:00"))
-            self.newest_event = max(self.newest_event or reported, reported)
+            if newest := report.get("eventTime", {}).get("max"):
+                reported = datetime.fromisoformat(newest.replace("Z", "+00:00"))
+                self.newest_event = max(self.newest_event or reported, reported)
         try:
             read, high = kafka_end(ingest), kafka_high()
             unread = sum(max(0, offset - read.get(partition, 0)) for partition, offset in high.items())

@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 from iotmon.config import Settings
@@ -48,8 +49,9 @@ def test_offsets_read_from_progress_reports() -> None:
     assert kafka_end(kafka) == {0: 10, 1: 4} and kafka_end(None) == {} and delta_end(None) is None
 
 
-def _query(name: str, progress: dict) -> SimpleNamespace:
-    return SimpleNamespace(name=name, lastProgress=progress)
+def _query(name: str, *reports: dict) -> SimpleNamespace:
+    """A query whose recent reports are ``reports``, the last one last."""
+    return SimpleNamespace(name=name, lastProgress=reports[-1], recentProgress=list(reports))
 
 
 def test_the_clock_reads_idleness_from_the_ingest_query_and_completeness_from_table_versions() -> None:
@@ -80,3 +82,18 @@ def test_the_clock_reads_idleness_from_the_ingest_query_and_completeness_from_ta
     # clock keeps the one it saw.
     ingest.update(batchId=5, numInputRows=0, eventTime={"watermark": "2026-11-20T07:59:55.000Z"})
     assert clock.observe(lambda: {0: 10, 1: 4}, versions.__getitem__).newest_event == NEWEST
+
+
+def test_the_clock_sees_a_batch_of_readings_that_another_batch_followed_between_two_rounds() -> None:
+    # The ingest query's only batch of readings, then at once one without readings (its watermark moved): the
+    # clock's round sees the second as the last report, and must still learn the newest event time from the
+    # first, or it would never tick and the fleet's last windows would wait for readings forever.
+    readings = {"batchId": 0, "numInputRows": 3062, "eventTime": {"max": "2026-11-20T08:00:00.000Z"}}
+    watermark_only = {"batchId": 1, "numInputRows": 0, "eventTime": {"watermark": "2026-11-20T07:59:55.000Z"}}
+    for report in (readings, watermark_only):
+        report["sources"] = [{"endOffset": {"t": {"0": 3062}}}]
+    spark = SimpleNamespace(streams=SimpleNamespace(active=[_query(INGEST, readings, watermark_only)]))
+    clock = EventClock(spark, Settings.from_env({}), threading.Event())
+    observed = clock.observe(lambda: {0: 3062}, {SILVER: 1}.__getitem__)
+    assert observed.newest_event == NEWEST and observed.kafka_unread == 0
+    assert ticks_due(replace(observed, idle_s=60.0), 2.0)[SILVER] == NEWEST + dt.timedelta(seconds=60)
