@@ -321,7 +321,7 @@ def run_continuously(
     slower: set[str] = set()
     """Draining queries still on a slower trigger than the default: stopped between two batches..."""
     parked: set[str] = set()
-    """... and started again on it once the lead queries have read all their sources hold."""
+    """... and started again on it once every query upstream of them has read all its source holds."""
 
     def pause(seconds: float) -> bool:
         """Wait; True when the run should end now."""

@@ -339,7 +339,7 @@ def significant_readings(state: DeviceState | None, frame: pd.DataFrame, rules: 
     reading does too. Runs once per device and batch, so it avoids pandas' per-call overhead."""
     if frame.empty:
         return []
-    arrival = np.lexsort((frame["offset"].to_numpy(), frame["partition"].to_numpy()))  # stable, as Kafka ordered
+    arrival = np.lexsort([frame[column].to_numpy() for column in reversed(ARRIVAL_ORDER)])  # lexsort: last key primary
     event_ms = frame["event_ms"].to_numpy(dtype=np.int64)[arrival]
     seqs = [None if _optional(value) is None else int(value) for value in frame[SEQ].to_numpy(dtype=object)[arrival]]
     seq = np.array([-1 if value is None else value for value in seqs], dtype=np.int64)
