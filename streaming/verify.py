@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-import pyarrow.parquet as pq
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -142,19 +141,9 @@ def compare_tables(
 ) -> tuple[int, list[str]]:
     """Rows of ``actual`` and ``expected`` matched by ``keys``; problems when either side differs. Expected
     rows matching ``optional`` (a condition on the expected side, ``e.<column>``) may be absent, but must be
-    equal when present.
-
-    One join and one pass over it count every kind of difference (the batch recomputation behind
-    ``expected`` is computed once, not once per count), and one more job counts repeated keys in ``actual``.
-    """
-    problems = []
-    duplicates = actual.groupBy(*keys).count().where("count > 1").count()
-    if duplicates:
-        problems.append(f"{name}: {duplicates} keys written more than once")
+    equal when present."""
     values = [c for c in expected.columns if c not in keys and c not in ignored]
-    sides = (expected.withColumn(_EXPECTED, F.lit(True)), actual.withColumn(_ACTUAL, F.lit(True)))
-    joined = sides[0].alias("e").join(sides[1].alias("a"), list(keys), "full_outer")
-    in_expected, in_actual = F.col(f"e.{_EXPECTED}").isNotNull(), F.col(f"a.{_ACTUAL}").isNotNull()
+    joined, in_expected, in_actual = _joined(expected, actual, keys)
     differs = F.lit(False)
     for column in values:
         e, a = F.col(f"e.{column}"), F.col(f"a.{column}")
@@ -166,15 +155,52 @@ def compare_tables(
     absent = in_expected & ~in_actual
     if optional is not None:
         absent = absent & ~optional
-    different = in_expected & in_actual & differs
-    counts = joined.agg(
-        F.count(F.when(in_expected, True)).alias("expected"),
-        F.count(F.when(absent, True)).alias("missing"),
-        F.count(F.when(in_actual & ~in_expected, True)).alias("extra"),
+    return _differences(joined, keys, name, in_expected, in_actual, absent, in_expected & in_actual & differs)
+
+
+def _joined(expected: DataFrame, actual: DataFrame, keys: tuple[str, ...]) -> tuple[DataFrame, Column, Column]:
+    """``expected`` (as ``e``) and ``actual`` (as ``a``) joined on ``keys``, every row of either kept; and
+    whether a joined row has each side."""
+    sides = (expected.withColumn(_EXPECTED, F.lit(True)), actual.withColumn(_ACTUAL, F.lit(True)))
+    joined = sides[0].alias("e").join(sides[1].alias("a"), list(keys), "full_outer")
+    return joined, F.col(f"e.{_EXPECTED}").isNotNull(), F.col(f"a.{_ACTUAL}").isNotNull()
+
+
+def _differences(
+    joined: DataFrame,
+    keys: tuple[str, ...],
+    name: str,
+    in_expected: Column,
+    in_actual: Column,
+    absent: Column,
+    different: Column,
+) -> tuple[int, list[str]]:
+    """Expected rows and the problems of a join of expected and actual rows by ``keys`` (``_joined``): keys
+    ``actual`` holds more than once, expected rows ``absent``, actual rows without an expected one, and rows
+    ``different`` from theirs.
+
+    One Spark action counts them all, per key and then over the keys: each action is a few Spark jobs whose
+    fixed cost (planning, scheduling) outweighs the few rows most tables hold (docs/cost-model.md, "The demo's
+    stop").
+    """
+    per_key = joined.groupBy(*keys).agg(
+        F.count(F.when(in_actual, True)).alias("copies"),
+        F.max(in_expected).alias("expected"),
+        F.max(absent).alias("absent"),
         F.count(F.when(different, True)).alias("different"),
-        F.first(F.when(different, F.struct(*[F.col(k) for k in keys])), ignorenulls=True).alias("sample"),
+    )
+    counts = per_key.agg(
+        F.count(F.when(F.col("copies") > 1, True)).alias("repeated"),
+        F.count(F.when(F.col("expected"), True)).alias("expected"),
+        F.count(F.when(F.col("absent"), True)).alias("missing"),
+        F.sum(F.when(~F.col("expected"), F.col("copies")).otherwise(0)).alias("extra"),
+        F.sum("different").alias("different"),
+        F.first(F.when(F.col("different") > 0, F.struct(*keys)), ignorenulls=True).alias("sample"),
     ).first()
     assert counts is not None
+    problems = []
+    if counts["repeated"]:
+        problems.append(f"{name}: {counts['repeated']} keys written more than once")
     if counts["missing"]:
         problems.append(f"{name}: {counts['missing']} rows of the batch recomputation are missing")
     if counts["extra"]:
@@ -277,7 +303,7 @@ def _status_against_silver(
     changes = read(settings.table_path(DEVICE_STATUS_CHANGES)).withColumn(
         OFFLINE_UNSETTLED, F.lit(None).cast("boolean")
     )
-    count, problems = compare_tables(
+    changes_count, changes_problems = compare_tables(
         expected_changes,
         changes.select(*expected_changes.columns),
         (DEVICE_ID, "changed_at", "status"),
@@ -286,20 +312,13 @@ def _status_against_silver(
         close=(),
         ignored=(OFFLINE_UNSETTLED,),
     )
-    results = [(DEVICE_STATUS_CHANGES, count, problems)]
     current = read(settings.table_path(DEVICE_STATUS))
     expected = latest_status(history)
     before_unsettled = latest_status(history.where(~unsettled)).join(
         history.where(unsettled).select(DEVICE_ID), DEVICE_ID, "left_semi"
     )
-    results.append(
-        (
-            DEVICE_STATUS,
-            expected.count(),
-            _latest_rows_problems(DEVICE_STATUS, expected, before_unsettled, current, (DEVICE_ID,)),
-        )
-    )
-    return results
+    count, problems = _compare_latest_rows(DEVICE_STATUS, expected, before_unsettled, current, (DEVICE_ID,))
+    return [(DEVICE_STATUS_CHANGES, changes_count, changes_problems), (DEVICE_STATUS, count, problems)]
 
 
 def _alerts_against_anomalies(spark: SparkSession, settings: Settings, alerts: DataFrame) -> tuple[int, list[str]]:
@@ -316,34 +335,26 @@ def _alerts_against_anomalies(spark: SparkSession, settings: Settings, alerts: D
     before_unsettled = latest_alerts(history.where(~unsettled)).join(
         history.where(unsettled).select("alert_id"), "alert_id", "left_semi"
     )
-    return expected.count(), _latest_rows_problems(ALERTS, expected, before_unsettled, alerts, ("alert_id",))
+    return _compare_latest_rows(ALERTS, expected, before_unsettled, alerts, ("alert_id",))
 
 
-def _latest_rows_problems(
+def _compare_latest_rows(
     name: str, expected: DataFrame, alternative: DataFrame, actual: DataFrame, keys: tuple[str, ...]
-) -> list[str]:
-    """Problems unless ``actual`` holds each key once, equal to its ``expected`` row or (where the stream may not
-    have got that far) its ``alternative`` row, and no other key."""
-    columns = expected.columns
-    actual = actual.select(*columns)
-    problems = []
-    repeated = actual.groupBy(*keys).count().where("count > 1").count()
-    if repeated:
-        problems.append(f"{name}: {repeated} keys written more than once")
-    same = [F.col(f"a.{c}").eqNullSafe(F.col(f"e.{c}")) for c in columns]
-    matching = F.lit(True)
-    for clause in same:
-        matching = matching & clause
-    unmatched = actual.alias("a").join(expected.alias("e"), matching, "left_anti")
-    unmatched = unmatched.alias("a").join(alternative.alias("e"), matching, "left_anti")
-    missing = expected.join(actual, list(keys), "left_anti").count()
-    if missing:
-        problems.append(f"{name}: {missing} rows of the batch recomputation are missing")
-    different = unmatched.count()
-    if different:
-        sample = unmatched.select(*keys).first()
-        problems.append(f"{name}: {different} rows differ from the batch recomputation, e.g. {sample}")
-    return problems
+) -> tuple[int, list[str]]:
+    """Expected rows, and problems unless ``actual`` holds each key once, equal to its ``expected`` row or
+    (where the stream may not have got that far) its ``alternative`` row, and no other key."""
+    values = [c for c in expected.columns if c not in keys]
+    joined, in_expected, in_actual = _joined(expected, actual.select(*expected.columns), keys)
+    joined = joined.join(alternative.withColumn(_EXPECTED, F.lit(True)).alias("alt"), list(keys), "left")
+
+    def equal_to(side: str) -> Column:
+        equal = F.col(f"{side}.{_EXPECTED}").isNotNull()
+        for column in values:
+            equal = equal & F.col(f"a.{column}").eqNullSafe(F.col(f"{side}.{column}"))
+        return equal
+
+    different = in_expected & in_actual & ~(equal_to("e") | equal_to("alt"))
+    return _differences(joined, keys, name, in_expected, in_actual, in_expected & ~in_actual, different)
 
 
 def anomalies_against_silver(
@@ -378,10 +389,7 @@ def _silver_against_truth(
     (``bronze_identity``)."""
     columns = [*READING_KEY, "delay_s", "malformed_kind", "partition", "offset", "delivered"]
     columns += ["send_index", "topic", "payload_bytes"]
-    frames = [spark.createDataFrame(pq.read_table(path, columns=columns).to_pandas()) for path in truth]
-    sends = frames[0]
-    for frame in frames[1:]:
-        sends = sends.unionByName(frame)
+    sends = spark.read.parquet(*[str(path) for path in truth]).select(*columns)
     valid = resolve_unknown_offsets(sends, bronze).where("delivered AND malformed_kind IS NULL")
     first_copy = F.min_by(F.struct("partition", "offset", "delay_s"), F.struct("partition", "offset")).alias("f")
     expected = (

@@ -69,3 +69,36 @@ def test_a_table_comparison_counts_each_kind_of_difference_in_one_pass(spark) ->
         "t: 1 rows differ from the batch recomputation, e.g. Row(k='off')",  # "close" is within the tolerance
     ]
     assert compare_tables(expected, expected, ("k",), "t", close=("v",)) == (5, [])
+
+
+def test_a_latest_rows_comparison_accepts_the_expected_or_the_alternative_row_and_counts_the_rest(spark) -> None:
+    from streaming.verify import _compare_latest_rows
+
+    schema = "k string, status string, since long"
+    expected = spark.createDataFrame(
+        [("same", "ok", 1), ("behind", "offline", 2), ("off", "ok", 3), ("gone", "ok", 4), ("twice", "ok", 5)],
+        schema,
+    )
+    alternative = spark.createDataFrame([("behind", "ok", 1)], schema)  # where the stream may not be yet
+    actual = spark.createDataFrame(
+        [
+            ("same", "ok", 1),
+            ("behind", "ok", 1),
+            ("off", "offline", 3),
+            ("new", "ok", 6),
+            ("twice", "ok", 5),
+            ("twice", "ok", 5),
+        ],
+        schema,
+    )
+    rows, problems = _compare_latest_rows("t", expected, alternative, actual, ("k",))
+    assert rows == 5
+    assert problems == [
+        "t: 1 keys written more than once",
+        "t: 1 rows of the batch recomputation are missing",
+        "t: 1 rows have no counterpart in the batch recomputation",
+        "t: 1 rows differ from the batch recomputation, e.g. Row(k='off')",
+    ]
+    assert _compare_latest_rows("t", expected, alternative, expected, ("k",)) == (5, [])
+    without_alternative = _compare_latest_rows("t", expected, alternative.limit(0), actual, ("k",))[1]
+    assert without_alternative[-1].startswith("t: 2 rows differ from the batch recomputation")  # "behind" too
