@@ -16,6 +16,7 @@ from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
+from iotmon import queries
 from iotmon.config import Settings
 from iotmon.queries import (
     AVAILABLE_NOW,
@@ -418,11 +419,13 @@ def test_a_drain_moves_a_query_on_a_slow_trigger_to_the_default_one(
 
 
 def test_a_drain_restarts_each_parked_query_on_the_default_trigger_once_its_upstream_has_read_all(
-    spark: SparkSession, base_settings: Settings, tmp_path: Path
+    spark: SparkSession, base_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # At a demo's stop the ingest query still has Kafka to read; the others, all on slower triggers, wait
     # (stopped) until every query upstream of them has read all its source holds, then read what is left once:
-    # here "upstream" after the lead, "downstream" after both.
+    # here "upstream" after the lead, "downstream" after both. The drain asks after each batch, not on a clock:
+    # with an hour between its clock's checks it still ends within the test's minutes.
+    monkeypatch.setattr(queries, "DRAIN_CHECK_SECONDS", 3600.0)
     seen: list[str] = []
     restarts: list[tuple[str, int]] = []
     """Each start after the stop: the query, and how many batches "upstream" had run by then."""
