@@ -28,13 +28,12 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from ingest.silver import READING_KEY
 from iotmon.config import Settings, interval_seconds
 from iotmon.lake import BatchLedger, append_once, create_table, read_text, write_text
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, LATENESS, SEQ, SILVER
 from ml import registry
-from ml.features import FeatureSpec, reading_features
+from ml.features import FeatureSpec
 from ml.model import ScoringRule, anomaly_scores, scored_batch
 from streaming.history import FEATURE_INPUTS, DeviceHistory, SilverReader
 
@@ -60,20 +59,6 @@ def ensure_anomalies_table(spark: SparkSession, settings: Settings) -> None:
         ANOMALIES_SCHEMA,
         "One row per scored silver reading: anomaly score, threshold and verdict of a registered model.",
     )
-
-
-def scored_readings(
-    batch: DataFrame,
-    context: DataFrame,
-    pipeline: PipelineModel,
-    ref: registry.ModelRef,
-    since: dt.datetime | None = None,
-) -> DataFrame:
-    """Rows of ``ANOMALIES_SCHEMA`` for the readings of ``batch``; ``context`` is silver around them (the
-    batch's devices over the lookback before the batch, the batch included), ``since`` the batch's first
-    event time when known, so that only readings from then on are featurised."""
-    featured = reading_features(context, FeatureSpec(ref.feature_history_s), since)
-    return anomalies_of(featured.join(batch.select(*READING_KEY), list(READING_KEY), "left_semi"), pipeline, ref)
 
 
 def anomalies_of(featured: DataFrame, pipeline: PipelineModel, ref: registry.ModelRef) -> DataFrame:

@@ -47,10 +47,11 @@ from iotmon.schema import (
     SILVER,
 )
 from ml import registry
+from ml.features import FeatureSpec, reading_features
 from streaming.alerts import CLEAR_UNSETTLED, alert_history, latest_alerts
 from streaming.device_status import OFFLINE_UNSETTLED, changes_of, latest_status, status_history
 from streaming.jobs import final_through
-from streaming.scoring import scored_readings
+from streaming.scoring import anomalies_of
 from streaming.windows import END_COLUMN, FINAL_TABLES, STAT_COLUMNS, WindowSpec, tumbling_device_windows
 
 RELATIVE_TOLERANCE = 1e-9
@@ -365,16 +366,23 @@ def anomalies_against_silver(
     versions = [row[0] for row in anomalies.select("model_version").distinct().collect()]
     if not versions and registry.champion(settings) is None:
         return None, []  # no model yet: nothing could be scored
+    features: dict[float, DataFrame] = {}
+    """Silver featurised (per device, in Python workers) once per feature history the versions use, not once
+    per version: a long run's anomalies name several versions, usually of one history."""
     expected = None
     for version in versions:
         ref = registry.model_ref(settings, version)
-        scored = scored_readings(
-            anomalies.where(F.col("model_version") == version), silver, registry.load_pipeline(settings, ref), ref
-        )
+        if ref.feature_history_s not in features:
+            features[ref.feature_history_s] = reading_features(silver, FeatureSpec(ref.feature_history_s)).persist()
+        scored_keys = anomalies.where(F.col("model_version") == version).select(*READING_KEY)
+        featured = features[ref.feature_history_s].join(scored_keys, list(READING_KEY), "left_semi")
+        scored = anomalies_of(featured, registry.load_pipeline(settings, ref), ref)
         expected = scored if expected is None else expected.unionByName(scored)
     count, problems = 0, []
     if expected is not None:
         count, problems = compare_tables(expected, anomalies, READING_KEY, ANOMALIES, close=("score",))
+    for featured in features.values():
+        featured.unpersist()
     unscored = silver.select(*READING_KEY).exceptAll(anomalies.select(*READING_KEY)).count()
     if unscored:
         problems.append(f"{ANOMALIES}: {unscored} silver readings not scored (was the scorer drained?)")
