@@ -182,7 +182,7 @@ def _differences(
 
     One Spark action counts them all, per key and then over the keys: each action is a few Spark jobs whose
     fixed cost (planning, scheduling) outweighs the few rows most tables hold (docs/cost-model.md, "The demo's
-    stop").
+    first minute, and its stop").
     """
     per_key = joined.groupBy(*keys).agg(
         F.count(F.when(in_actual, True)).alias("copies"),
