@@ -369,20 +369,23 @@ def anomalies_against_silver(
     features: dict[float, DataFrame] = {}
     """Silver featurised (per device, in Python workers) once per feature history the versions use, not once
     per version: a long run's anomalies name several versions, usually of one history."""
-    expected = None
-    for version in versions:
-        ref = registry.model_ref(settings, version)
-        if ref.feature_history_s not in features:
-            features[ref.feature_history_s] = reading_features(silver, FeatureSpec(ref.feature_history_s)).persist()
-        scored_keys = anomalies.where(F.col("model_version") == version).select(*READING_KEY)
-        featured = features[ref.feature_history_s].join(scored_keys, list(READING_KEY), "left_semi")
-        scored = anomalies_of(featured, registry.load_pipeline(settings, ref), ref)
-        expected = scored if expected is None else expected.unionByName(scored)
+    expected: DataFrame | None = None
     count, problems = 0, []
-    if expected is not None:
-        count, problems = compare_tables(expected, anomalies, READING_KEY, ANOMALIES, close=("score",))
-    for featured in features.values():
-        featured.unpersist()
+    try:
+        for version in versions:
+            ref = registry.model_ref(settings, version)
+            history = ref.feature_history_s
+            if history not in features:
+                features[history] = reading_features(silver, FeatureSpec(history)).persist()
+            scored_keys = anomalies.where(F.col("model_version") == version).select(*READING_KEY)
+            featured = features[history].join(scored_keys, list(READING_KEY), "left_semi")
+            scored = anomalies_of(featured, registry.load_pipeline(settings, ref), ref)
+            expected = scored if expected is None else expected.unionByName(scored)
+        if expected is not None:
+            count, problems = compare_tables(expected, anomalies, READING_KEY, ANOMALIES, close=("score",))
+    finally:
+        for cached in features.values():
+            cached.unpersist()
     unscored = silver.select(*READING_KEY).exceptAll(anomalies.select(*READING_KEY)).count()
     if unscored:
         problems.append(f"{ANOMALIES}: {unscored} silver readings not scored (was the scorer drained?)")
