@@ -208,8 +208,13 @@ def resolve_unknown_offsets(truth: DataFrame, bronze: DataFrame) -> DataFrame:
     return truth.where(~unknown).unionByName(paired.select(*truth.columns))
 
 
+def truth_sends(spark: SparkSession, truth_files: Sequence[Path]) -> DataFrame:
+    """The simulator's ground truth, one row per send, read by Spark (after a run: its files are final)."""
+    return spark.read.parquet(*[str(path) for path in truth_files])
+
+
 def _truth_check(spark: SparkSession, bronze: DataFrame, truth_files: Sequence[Path]) -> TruthCheck:
-    truth = spark.read.parquet(*[str(path) for path in truth_files])
+    truth = truth_sends(spark, truth_files)
     delivered = resolve_unknown_offsets(truth.where(F.col("delivered")), bronze)
     joined = delivered.alias("t").join(
         bronze.alias("b"),

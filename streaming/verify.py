@@ -31,7 +31,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from ingest.silver import READING_KEY, LatenessRules, lateness, silver_from_bronze
-from ingest.verify import bronze_identity, resolve_unknown_offsets
+from ingest.verify import bronze_identity, resolve_unknown_offsets, truth_sends
 from iotmon.config import Settings
 from iotmon.schema import (
     ALERTS,
@@ -400,7 +400,7 @@ def _silver_against_truth(
     (``bronze_identity``)."""
     columns = [*READING_KEY, "delay_s", "malformed_kind", "partition", "offset", "delivered"]
     columns += ["send_index", "topic", "payload_bytes"]
-    sends = spark.read.parquet(*[str(path) for path in truth]).select(*columns)
+    sends = truth_sends(spark, truth).select(*columns)
     valid = resolve_unknown_offsets(sends, bronze).where("delivered AND malformed_kind IS NULL")
     first_copy = F.min_by(F.struct("partition", "offset", "delay_s"), F.struct("partition", "offset")).alias("f")
     expected = (
