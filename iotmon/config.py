@@ -193,7 +193,10 @@ class Settings:
 
     home: Path = _setting("HOME", Path("var"), Path, "Local state: broker data, lake, checkpoints, ground-truth files.")
     cache_dir: Path | None = _setting(
-        "CACHE_DIR", None, Path, "Downloaded jars and the Maven repository (default: $IOTMON_HOME/cache)."
+        "CACHE_DIR",
+        None,
+        Path,
+        "Downloaded jars, the Maven repository and the JVM's class archive (default: $IOTMON_HOME/cache).",
     )
     lake: str | None = _setting(
         "LAKE", None, str, "Root of the Delta tables: a path or an object-store URI (default: $IOTMON_HOME/lake)."
@@ -244,7 +247,8 @@ class Settings:
         "SPARK_DRIVER_JAVA_OPTIONS",
         "",
         str,
-        "Extra JVM flags for the Spark driver (in local mode, the whole engine), added to the project's own.",
+        "Extra JVM flags for the Spark driver (in local mode, the whole engine), added to the project's own; "
+        "class-sharing flags (-Xshare, -XX:SharedArchiveFile) replace its class archive.",
     )
     spark_ui: bool = _setting("SPARK_UI", True, _parse_bool, "Serve Spark's web UI (on loopback, port 4040 up).")
     shuffle_partitions: int = _setting(

@@ -12,7 +12,7 @@ from xml.sax.saxutils import escape
 
 from pyspark.sql import SparkSession
 
-from iotmon import logs
+from iotmon import class_archive, logs
 from iotmon.config import Settings
 from iotmon.jars import resolve, spark_extras_bundle
 
@@ -36,8 +36,14 @@ def fair_pools_file(settings: Settings, weights: Mapping[str, int]) -> Path:
 
 
 def driver_java_options(settings: Settings) -> str:
-    """The driver JVM's flags: the project's log configuration, then the operator's own (GC, JIT, diagnostics)."""
-    return f"-Dlog4j2.configurationFile={logs.spark_log_config(settings)} {settings.spark_driver_java_options}".strip()
+    """The driver JVM's flags: the project's log configuration and class archive (``iotmon.class_archive``),
+    then the operator's own (GC, JIT, diagnostics)."""
+    options = (
+        f"-Dlog4j2.configurationFile={logs.spark_log_config(settings)}",
+        class_archive.java_options(settings),
+        settings.spark_driver_java_options,
+    )
+    return " ".join(option for option in options if option)
 
 
 def spark_session(
