@@ -937,7 +937,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from iotmon import logs
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C, or a supervisor's SIGINT, while the parser imports the stages
+        print("iotmon: interrupted", file=sys.stderr)
+        return 130
     if args.verbose and not os.environ.get("IOTMON_LOG_LEVEL"):
         os.environ["IOTMON_LOG_LEVEL"] = "INFO"  # for this process and every process it starts
     settings: Settings | None = None

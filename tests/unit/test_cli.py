@@ -27,6 +27,20 @@ def test_a_bad_setting_names_the_variable(monkeypatch: pytest.MonkeyPatch, capsy
     assert "Traceback" not in err
 
 
+def test_an_interrupt_while_starting_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # The parser imports the stages for their defaults (pyspark.ml among them: seconds); a supervisor stopping a
+    # command that has just started (`iotmon chaos` its trainer) interrupts it there.
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("iotmon.cli.build_parser", interrupted)
+    assert main(["train"]) == 130
+    err = capsys.readouterr().err
+    assert err == "iotmon: interrupted\n"
+
+
 def test_simulate_needs_a_stopping_rule(capsys: pytest.CaptureFixture) -> None:
     assert main(["simulate"]) == EXIT_ERROR
     assert "backlog mode needs events or duration" in capsys.readouterr().err
