@@ -290,13 +290,9 @@ def _status_against_silver(
     """Device status and its changes against the status rules run once over all of silver (``status_history``):
     every change the stream made, and only those; each device's current row. Nothing to check before the
     status query has committed a batch."""
-    settled, reached = committed_watermarks(spark, settings.checkpoint_path(DEVICE_STATUS))
-    if (
-        settled is None
-        and reached is None
-        and not _batch_files(spark, f"{settings.checkpoint_path(DEVICE_STATUS)}/commits")
-    ):
+    if not _ran(spark, settings.checkpoint_path(DEVICE_STATUS)):
         return []
+    settled, reached = committed_watermarks(spark, settings.checkpoint_path(DEVICE_STATUS))
     history = status_history(silver, settings, settled, reached).localCheckpoint()
     read = spark.read.format("delta").load
     unsettled = F.col(OFFLINE_UNSETTLED)
