@@ -1,5 +1,5 @@
 # The application image: installs exactly as the README does (`make setup`), with the jars baked in so
-# containers start without network access.
+# containers start without network access, and the JVM's class archive so that their Spark starts sooner.
 FROM python:3.11-slim-bookworm
 
 RUN apt-get update \
