@@ -143,13 +143,6 @@ class ChaosReport:
 _KINDS = (STREAM_KILL, BROKER_RESTART, TRAINER_KILL)
 
 
-def child_env(settings: Settings) -> dict[str, str]:
-    """The environment of an ``iotmon`` child: these settings, whatever IOTMON_* the parent had."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("IOTMON_")}
-    env.update(settings.to_env())
-    return env
-
-
 class Group:
     """A child in a session (and process group) of its own: its Spark JVM and helpers die with it."""
 
@@ -267,7 +260,7 @@ class ChaosRun:
         self.logs = settings.home / "chaos" / f"chaos-{stamp}"
         self.report = ChaosReport(options=asdict(options), started_at=datetime.now(UTC).isoformat(timespec="seconds"))
         self.report.logs = str(self.logs)
-        self.env = child_env(settings)
+        self.env = settings.child_env()
         self.groups: list[Group] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()

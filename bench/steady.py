@@ -66,12 +66,6 @@ def simulator_command(
     ]
 
 
-def child_env(settings: Settings) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("IOTMON_")}
-    env.update(settings.to_env())
-    return env
-
-
 def steady_state(
     spark: SparkSession,
     settings: Settings,
@@ -100,7 +94,7 @@ def steady_state(
     def publish() -> None:
         try:
             started = time.monotonic()
-            fleet = subprocess.Popen(command, env=child_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            fleet = subprocess.Popen(command, env=settings.child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             try:
                 fleet.wait(timeout=warmup)  # returns early only if the fleet stopped (it failed)
             except subprocess.TimeoutExpired:

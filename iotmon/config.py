@@ -424,6 +424,12 @@ class Settings:
                 env[ENV_PREFIX + f.metadata["env"]] = "none"
         return env
 
+    def child_env(self) -> dict[str, str]:
+        """The environment of a child process (an ``iotmon`` command, a Spark JVM's builder) that runs with these
+        settings: this process's, its ``IOTMON_*`` variables replaced by these settings' own."""
+        env = {key: value for key, value in os.environ.items() if not key.startswith(ENV_PREFIX)}
+        return env | self.to_env()
+
     def secret_values(self) -> list[str]:
         """The values of the settings marked secret, for ``redact``."""
         values = (getattr(self, f.name) for f in fields(self) if f.metadata["secret"])

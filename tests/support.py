@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import uuid
 from pathlib import Path
@@ -42,13 +41,6 @@ def isolated_settings(kafka: Settings, home: Path) -> Settings:
         home=home,
         cache_dir=kafka.cache,
     )
-
-
-def cli_env(settings: Settings) -> dict[str, str]:
-    """Environment for running ``iotmon`` in a child process with these settings."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("IOTMON_")}
-    env.update(settings.to_env())
-    return env
 
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.02):

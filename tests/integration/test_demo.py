@@ -28,7 +28,7 @@ from iotmon import broker
 from iotmon.config import Settings
 from iotmon.schema import ANOMALIES
 from tests.browser import ARTIFACTS, errors, screenshot, text, until
-from tests.support import cli_env, free_port, wait_for, with_own_broker
+from tests.support import free_port, wait_for, with_own_broker
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +94,7 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
     started = time.monotonic()
     with log.open("w") as out:  # a session of its own: a failed test can stop the demo and all it started
         demo = subprocess.Popen(
-            command, env=cli_env(settings), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            command, env=settings.child_env(), stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
 
     def output() -> str:

@@ -20,7 +20,7 @@ from iotmon.kafka import ensure_topic, make_producer, newest_event_time, spark_k
 from iotmon.ops import install_progress_recorder, read_run_file, run_file_path
 from iotmon.schema import QUERY_PROGRESS
 from iotmon.status import table_status
-from tests.support import cli_env, wait_for
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ START = datetime(2026, 11, 22, 1, 0, tzinfo=UTC)
 
 def _use_settings(monkeypatch: pytest.MonkeyPatch, settings: Settings) -> None:
     """Make ``iotmon.cli.main`` see ``settings`` exactly as a child process started with them would."""
-    env = cli_env(settings)
+    env = settings.child_env()
     for name in [n for n in env if n.startswith("IOTMON_")]:
         monkeypatch.setenv(name, env[name])
 

@@ -31,7 +31,7 @@ from iotmon.schema import BRONZE, INGEST, QUARANTINE, QUERY_PROGRESS
 from pipeline.topology import ensure_tables, queries
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
-from tests.support import cli_env, free_port, wait_for, with_own_broker
+from tests.support import free_port, wait_for, with_own_broker
 
 pytestmark = pytest.mark.integration
 
@@ -136,7 +136,7 @@ def test_every_listener_the_project_starts_is_on_loopback(kafka: Settings, spark
         dashboard_port=free_port(),
         mlflow_ui_port=free_port(),
     )
-    env = cli_env(settings)
+    env = settings.child_env()
     spark_log, dashboard_log, mlflow_log = tmp_path / "spark.log", tmp_path / "dashboard.log", tmp_path / "mlflow.log"
     with (
         _process([sys.executable, "-c", _SPARK_WITH_UI], env, spark_log) as spark_child,
@@ -221,7 +221,8 @@ def test_archive_from_a_sasl_broker_keeps_the_password_to_kafka(
         with install_progress_recorder(spark, secured, flush_every=0.5):
             drained = run_until_idle(spark, secured, queries([BRONZE, QUARANTINE]), out=stream_output)
         assert drained[INGEST] == 2_000
-        config = subprocess.run([*IOTMON, "config"], env=cli_env(secured), capture_output=True, text=True, timeout=60)
+        env = secured.child_env()
+        config = subprocess.run([*IOTMON, "config"], env=env, capture_output=True, text=True, timeout=60)
         assert config.returncode == 0 and "IOTMON_KAFKA_SASL_PASSWORD" in config.stdout
 
         # Bronze holds exactly what the SASL broker holds.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from iotmon.config import Settings
 from ml import registry
-from tests.support import PROJECT_ROOT, cli_env, wait_for
+from tests.support import PROJECT_ROOT, wait_for
 
 OPEN_REGISTRY = "from iotmon.config import Settings; from ml import registry; registry.tracking(Settings.from_env())"
 CONCURRENT_IMPORTS = """
@@ -52,7 +52,7 @@ def _settings(home: Path) -> Settings:
 
 def test_a_process_killed_while_creating_the_store_leaves_none_behind(tmp_path: Path) -> None:
     settings = _settings(tmp_path)
-    creating = subprocess.Popen([sys.executable, "-c", OPEN_REGISTRY], env=cli_env(settings))
+    creating = subprocess.Popen([sys.executable, "-c", OPEN_REGISTRY], env=settings.child_env())
     try:
         # The store's folder gets its first file once the schema is being built: kill right then.
         wait_for(lambda: settings.mlflow_home.is_dir() and any(settings.mlflow_home.iterdir()), 120, "store creation")
@@ -68,7 +68,7 @@ def test_a_process_killed_while_creating_the_store_leaves_none_behind(tmp_path: 
 
 def test_processes_starting_together_share_one_store(tmp_path: Path) -> None:
     settings = _settings(tmp_path)
-    openers = [subprocess.Popen([sys.executable, "-c", OPEN_REGISTRY], env=cli_env(settings)) for _ in range(3)]
+    openers = [subprocess.Popen([sys.executable, "-c", OPEN_REGISTRY], env=settings.child_env()) for _ in range(3)]
     assert [opener.wait(180) for opener in openers] == [0, 0, 0]
     assert registry.tracking(settings).search_experiments()
     assert [path.name for path in settings.mlflow_home.iterdir()] == ["mlflow.db"]
