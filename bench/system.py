@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from iotmon.class_archive import java_home
 from iotmon.processes import process_tree, stat_fields
 
 SAMPLE_EVERY_S = 0.5
@@ -52,8 +53,8 @@ def rss_bytes(pid: int) -> int | None:
 
 def java_version() -> str | None:
     """The first line of ``java -version`` of the java Spark's launcher runs: ``$JAVA_HOME``'s, else PATH's."""
-    java_home = os.environ.get("JAVA_HOME")
-    java = str(Path(java_home) / "bin" / "java") if java_home else "java"
+    home = java_home()
+    java = str(home / "bin" / "java") if home is not None else "java"
     try:
         done = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):

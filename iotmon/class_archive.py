@@ -14,6 +14,7 @@ or Spark gets an archive of its own at the next ``iotmon setup``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -80,18 +81,20 @@ def build(settings: Settings, out: TextIO = sys.stderr) -> tuple[Path, float] | 
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="class-archive-", dir=path.parent) as scratch:
         partial, home = Path(scratch) / path.name, Path(scratch) / "home"
-        env = {key: value for key, value in os.environ.items() if not key.startswith("IOTMON_")}
-        env |= settings.to_env() | {
-            "IOTMON_HOME": str(home),
-            "IOTMON_CACHE_DIR": str(settings.cache),
-            "IOTMON_SPARK_UI": "false",
-            "IOTMON_SPARK_DRIVER_JAVA_OPTIONS": f"-XX:ArchiveClassesAtExit={partial}",
-        }
-        for key in ("IOTMON_LAKE", "IOTMON_CHECKPOINTS"):
-            env.pop(key, None)
+        workload = dataclasses.replace(
+            settings,
+            home=home,  # its logs, warehouse and tables stay in the scratch directory
+            cache_dir=settings.cache,
+            lake=None,
+            checkpoints=None,
+            spark_ui=False,
+            spark_driver_java_options=f"-XX:ArchiveClassesAtExit={partial}",
+        )
         command = [sys.executable, "-m", "iotmon.class_archive", scratch]
         try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            done = subprocess.run(
+                command, env=workload.child_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+            )
         except subprocess.TimeoutExpired:
             raise ClassArchiveError(f"its workload took more than {BUILD_TIMEOUT_S:.0f} s") from None
         if done.returncode != 0 or not partial.exists():
@@ -105,6 +108,22 @@ def build(settings: Settings, out: TextIO = sys.stderr) -> tuple[Path, float] | 
         if stale != path:
             stale.unlink()
     return path, time.monotonic() - started
+
+
+def set_up(settings: Settings, out: TextIO = sys.stdout) -> None:
+    """``iotmon setup``'s part: build the archive if it is missing and say where it is. A failed build is a line
+    on stderr, not a failed setup: Spark starts without the archive, only slower."""
+    try:
+        built = build(settings, out)
+    except ClassArchiveError as exc:
+        print(f"JVM class archive: not built, Spark starts without it (only slower): {exc}", file=sys.stderr)
+        return
+    if built is None:
+        print("JVM class archive: skipped, no JDK found (JAVA_HOME or java on the PATH)", file=sys.stderr)
+        return
+    path, seconds = built
+    took = f", built in {seconds:.0f}s" if seconds else ""
+    print(f"JVM class archive: {path} ({path.stat().st_size / 2**20:,.0f} MB{took})", file=out, flush=True)
 
 
 def _workload(scratch: Path) -> None:

@@ -449,17 +449,7 @@ def cmd_setup(settings: Settings, args: argparse.Namespace) -> int:
     for bundle in (kafka_broker_bundle(), spark_extras_bundle()):
         jars = resolve(settings, bundle)
         print(f"{bundle.name}: {len(jars)} jars in {bundle_dir(settings, bundle)}")
-    try:
-        built = class_archive.build(settings, sys.stdout)
-    except class_archive.ClassArchiveError as exc:
-        print(f"JVM class archive: not built, Spark starts without it (only slower): {exc}", file=sys.stderr)
-        return 0
-    if built is None:
-        print("JVM class archive: skipped, no JDK found (JAVA_HOME or java on the PATH)", file=sys.stderr)
-        return 0
-    path, seconds = built
-    took = f", built in {seconds:.0f}s" if seconds else ""
-    print(f"JVM class archive: {path} ({path.stat().st_size / 2**20:,.0f} MB{took})")
+    class_archive.set_up(settings)
     return 0
 
 
