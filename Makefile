@@ -11,6 +11,12 @@ UV_VERSION := 0.13.9
 UV_VENV    := var/tools/uv-$(UV_VERSION)
 UV         := $(UV_VENV)/bin/uv
 
+# The tests run on two pytest-xdist workers, each with its own broker and Spark session: most tests keep one core
+# busy (a Spark driver planning small batches, a process starting), so two at once fill a 2-core machine.
+# WORKERS=0 runs them one at a time in one process; how tests share the workers: tests/conftest.py.
+WORKERS ?= 2
+PYTEST  := $(BIN)/pytest -n $(WORKERS) --no-loadscope-reorder
+
 .PHONY: help demo test lint unit integration setup browser dashboard bench lock clean
 .DEFAULT_GOAL := help
 
@@ -55,13 +61,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: setup lint browser
-	$(BIN)/pytest $(ARGS)
+	$(PYTEST) $(ARGS)
 
 unit: setup
-	$(BIN)/pytest -m "not integration" $(ARGS)
+	$(PYTEST) -m "not integration" $(ARGS)
 
 integration: setup browser
-	$(BIN)/pytest -m integration $(ARGS)
+	$(PYTEST) -m integration $(ARGS)
 
 $(UV):
 	$(PYTHON) -m venv $(UV_VENV)

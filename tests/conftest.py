@@ -10,6 +10,7 @@ import dataclasses
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,42 @@ import pytest
 
 from iotmon.config import Settings
 from tests.support import PROJECT_ROOT, free_port, isolated_settings
+
+WHOLE_MACHINE = ("tests/integration/test_chaos.py", "tests/integration/test_demo.py")
+"""The modules whose tests take both cores for minutes in real time: the chaos run and the demo."""
+
+if os.environ.get("PYTEST_XDIST_WORKER") and not hasattr(sys.modules["__main__"], "__file__"):
+    # A pytest-xdist worker's `__main__` has neither a file nor a spec, which PySpark takes for its own doctest
+    # runner: importing `pyspark.ml.connect` (MLflow does, to tell a Spark Connect model) then exits the worker
+    # (`pyspark.sql.connect.utils.check_dependencies`) instead of raising the ImportError MLflow expects.
+    sys.modules["__main__"].__file__ = "<pytest-xdist worker>"
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The whole-machine tests last: under `make test` they then run with the other worker done or nearly."""
+    items.sort(key=lambda item: _module(item.nodeid) in WHOLE_MACHINE)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """How `make test` shares its two workers: a module's tests stay on one worker, so its fixtures are built
+    once, and the whole-machine tests run last, one after the other on one worker. Beside other tests they took
+    twice as long and did more work (their fleets publish in real time, so a slower run reads and checks more),
+    and two of them at once likewise; on a machine of their own they run as fast as they can.
+    (xdist's own ``loadgroup`` would say this with marks, but its group names do not reach the scheduler with
+    pytest 9's node ids.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return "whole machine" if module in WHOLE_MACHINE else module
+
+    return ModuleScheduling(config, log)
 
 
 def _docker_engine_available() -> bool:
