@@ -1,4 +1,5 @@
-"""Session-scoped real infrastructure: one Kafka broker and one Spark session for the whole run.
+"""Session-scoped real infrastructure: one Kafka broker and one Spark session for the whole run (for each
+worker, under `make test`'s two pytest-xdist workers).
 
 Each test gets its own topic, lake and checkpoints (``isolated``), so tests share the expensive parts
 without sharing data. Jars are cached in the project's ``var/cache`` and resolved once per machine.
@@ -46,7 +47,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     twice as long and did more work (their fleets publish in real time, so a slower run reads and checks more),
     and two of them at once likewise; on a machine of their own they run as fast as they can.
     (xdist's own ``loadgroup`` would say this with marks, but its group names do not reach the scheduler with
-    pytest 9's node ids.)"""
+    pytest 9's node ids: pytest-dev/pytest-xdist#1386.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
