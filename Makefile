@@ -13,7 +13,8 @@ UV         := $(UV_VENV)/bin/uv
 
 # The tests run on two pytest-xdist workers, each with its own broker and Spark session: most tests keep one core
 # busy (a Spark driver planning small batches, a process starting), so two at once fill a 2-core machine.
-# WORKERS=0 runs them one at a time in one process; how tests share the workers: tests/conftest.py.
+# How tests share the workers: tests/conftest.py (the collection's order kept, not xdist's reordering by module
+# size). WORKERS=0 runs them one at a time in one process.
 WORKERS ?= 2
 PYTEST  := $(BIN)/pytest -n $(WORKERS) --no-loadscope-reorder
 
