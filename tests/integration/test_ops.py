@@ -30,9 +30,8 @@ START = datetime(2026, 11, 22, 1, 0, tzinfo=UTC)
 
 def _use_settings(monkeypatch: pytest.MonkeyPatch, settings: Settings) -> None:
     """Make ``iotmon.cli.main`` see ``settings`` exactly as a child process started with them would."""
-    env = settings.child_env()
-    for name in [n for n in env if n.startswith("IOTMON_")]:
-        monkeypatch.setenv(name, env[name])
+    for name, value in settings.to_env().items():
+        monkeypatch.setenv(name, value)
 
 
 def _status(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
