@@ -22,6 +22,10 @@ from pyspark.sql.streaming.listener import (
 
 from iotmon.ops import progress_row
 
+BATCH_PHASES: tuple[str, ...] = ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walCommit", "commitOffsets")
+"""The phases of a micro-batch its progress times (``durationMs``): the source's new offsets, the batch's data
+frame, planning, running it into the sink, and the offset and commit logs. Their sum is most of the batch."""
+
 
 class ProgressCollector(StreamingQueryListener):
     """Progress rows (``iotmon.ops.progress_row`` without the raw JSON) of every query of one session."""
@@ -41,6 +45,9 @@ class ProgressCollector(StreamingQueryListener):
         progress = json.loads(event.progress.json)
         row = progress_row(progress, self._source_reads.get(progress.get("name"), 1))
         row.pop("progress_json", None)
+        row["phases_ms"] = {
+            phase: ms for phase, ms in (progress.get("durationMs") or {}).items() if phase in BATCH_PHASES
+        }
         with self._lock:
             self._rows.append(row)
             self._lock.notify_all()
@@ -80,14 +87,19 @@ class ProgressCollector(StreamingQueryListener):
         return totals
 
     def batch_costs(self, mark: int) -> list[dict[str, Any]]:
-        """Per query since ``mark``: batches run, rows read, and seconds spent in them (mean and max): what a
-        batch costs whatever its size is the fixed part of the cost model (docs/cost-model.md)."""
+        """Per query since ``mark``: batches run, rows read, and seconds spent in them (mean and max, and the mean
+        of each phase): what a batch costs whatever its size is the fixed part of the cost model
+        (docs/cost-model.md)."""
         per_query: dict[str, list[dict[str, Any]]] = {}
         for row in self.since(mark):
             per_query.setdefault(row["query_name"] or row["query_id"], []).append(row)
         costs = []
         for name, rows in per_query.items():
             seconds = [(r["batch_duration_ms"] or 0) / 1000 for r in rows]
+            phases = {
+                phase: round(sum((r.get("phases_ms") or {}).get(phase, 0) for r in rows) / 1000 / len(rows), 3)
+                for phase in BATCH_PHASES
+            }
             costs.append(
                 {
                     "name": name,
@@ -96,6 +108,7 @@ class ProgressCollector(StreamingQueryListener):
                     "batch_seconds": round(sum(seconds), 3),
                     "mean_batch_s": round(sum(seconds) / len(rows), 3),
                     "max_batch_s": round(max(seconds), 3),
+                    "mean_phase_s": phases,
                 }
             )
         return costs

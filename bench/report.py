@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from bench.progress import BATCH_PHASES
 from bench.stats import Target, ratio
 from iotmon.schema import ANOMALIES, BRONZE, LIVE_WINDOWS
 
@@ -118,13 +119,17 @@ def render(report: Mapping[str, Any]) -> str:
         if steady.get("stream_cpu"):
             cpu = steady["stream_cpu"]
             used = f"{cpu['cpu_seconds']:.0f} s in {cpu['seconds']:.0f} s"
+            batches = sum(q["batches"] for q in steady.get("queries", []))
+            if batches:
+                # At a low rate this is what a batch costs whatever its rows: the stream's CPU is then about its
+                # batches a second times this (docs/cost-model.md, "The floor").
+                used += f"; {batches} batches, {cpu['cpu_seconds'] / batches:.2f} s of CPU each, records included"
             lines.append(f"  stream CPU while publishing: {cpu['cores']:.2f} cores ({used})")
             if cpu.get("parts"):
                 parts = sorted(cpu["parts"].items(), key=lambda part: -part[1])
                 shares = ", ".join(f"{name} {seconds / cpu['seconds']:.2f}" for name, seconds in parts if seconds > 0)
                 lines.append(f"  where the cores went: {shares}")
             if cpu.get("generated_classes") is not None:
-                batches = sum(q["batches"] for q in steady.get("queries", []))
                 per_batch = f", {cpu['generated_classes'] / batches:.1f} per batch" if batches else ""
                 lines.append(
                     f"  classes generated and compiled meanwhile: {cpu['generated_classes']:,.0f}{per_batch} "
@@ -137,6 +142,15 @@ def render(report: Mapping[str, Any]) -> str:
                     f"  {q['name']:<22}{q['batches']:>10}{_num(q['rows']):>10}{q['batch_seconds']:>11.0f}s"
                     f"{q['mean_batch_s']:>8.2f}s{q['max_batch_s']:>8.1f}s"
                 )
+            if any(q.get("mean_phase_s") for q in steady["queries"]):
+                lines.append("  a batch's phases, mean seconds (durationMs of each query's progress)")
+                lines.append(f"  {'query':<22}" + "".join(f"{phase:>14}" for phase in BATCH_PHASES))
+                for q in steady["queries"]:
+                    phases = q.get("mean_phase_s") or {}
+                    cells = "".join(
+                        f"{'-' if phases.get(phase) is None else f'{phases[phase]:.2f}s':>14}" for phase in BATCH_PHASES
+                    )
+                    lines.append(f"  {q['name']:<22}{cells}")
         lines.append(f"  {'latency to':<22}{'rows':>10}{'p50':>10}{'p95':>10}{'p99':>10}")
         for row in steady["latency"]:
             cells = "".join(f"{_num(row[k], 2) + 's':>10}" for k in ("p50_s", "p95_s", "p99_s"))

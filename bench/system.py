@@ -148,11 +148,13 @@ def process_tree_cpu_seconds(root: int) -> float:
     return sum(ticks) / os.sysconf("SC_CLK_TCK")
 
 
-# What a Spark JVM's threads do, by name as /proc shows it (cut to 15 characters, so these prefixes fit).
+# What a Spark JVM's threads do, by name as /proc shows it (cut to 15 characters, so these prefixes fit). A
+# thread's CPU is counted under the name it has when sampled: Spark 4 renames a task thread between tasks
+# ("Executor task launch worker for task ..." -> "Executor task idle worker#N"), so both are tasks.
 THREAD_ROLES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("JIT compiler", ("C1 CompilerThre", "C2 CompilerThre", "Sweeper thread")),
     ("garbage collector", ("GC Thread", "G1 ")),
-    ("Spark tasks", ("Executor task l",)),
+    ("Spark tasks", ("Executor task",)),
     ("query drivers", ("stream executio",)),
     ("listener bus", ("spark-listener-",)),
     ("DAG scheduler", ("dag-scheduler-e",)),

@@ -19,7 +19,7 @@ from bench.detectability import main as detectability_main
 from bench.features import main as features_main
 from bench.features import synthetic_silver
 from bench.latency import Latency
-from bench.progress import ProgressCollector
+from bench.progress import BATCH_PHASES, ProgressCollector
 from bench.run import BenchOptions
 from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
 from bench.system import (
@@ -131,6 +131,7 @@ def test_a_jvm_s_threads_are_told_apart_by_their_names() -> None:
         "GC Thread#1": "garbage collector",
         "G1 Refine#0": "garbage collector",
         "Executor task l": "Spark tasks",
+        "Executor task i": "Spark tasks",
         "stream executio": "query drivers",
         "spark-listener-": "listener bus",
         "dag-scheduler-e": "DAG scheduler",
@@ -184,7 +185,14 @@ def test_batch_costs_sum_each_query_s_batches_since_a_mark() -> None:
     rows = [("bronze", 10, 1000), ("silver", 8, 3000), ("bronze", 20, 500)]
     collector._rows = [{"query_name": "old", "query_id": "x", "input_rows": 1, "batch_duration_ms": 1}]
     collector._rows += [
-        {"query_name": name, "query_id": name, "input_rows": n, "batch_duration_ms": ms} for name, n, ms in rows
+        {
+            "query_name": name,
+            "query_id": name,
+            "input_rows": n,
+            "batch_duration_ms": ms,
+            "phases_ms": {"addBatch": ms * 0.6, "walCommit": ms * 0.1},
+        }
+        for name, n, ms in rows
     ]
     costs = {c["name"]: c for c in collector.batch_costs(1)}
     assert set(costs) == {"bronze", "silver"}
@@ -195,6 +203,7 @@ def test_batch_costs_sum_each_query_s_batches_since_a_mark() -> None:
         "batch_seconds": 1.5,
         "mean_batch_s": 0.75,
         "max_batch_s": 1.0,
+        "mean_phase_s": dict.fromkeys(BATCH_PHASES, 0.0) | {"addBatch": 0.45, "walCommit": 0.075},
     }
 
 
@@ -278,6 +287,7 @@ def _report() -> dict:
                     "batch_seconds": 4.0,
                     "mean_batch_s": 0.8,
                     "max_batch_s": 1.2,
+                    "mean_phase_s": {"addBatch": 0.5, "walCommit": 0.1},
                 }
             ],
         },
@@ -316,10 +326,12 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
     for needle in ("machine: ", "Kafka consumer", "whole path", "skipped (not ready)", "p95", "scale", "bounded"):
         assert needle in text
     for needle in (
-        "stream CPU while publishing: 0.70 cores",
+        "stream CPU while publishing: 0.70 cores (7 s in 10 s; 5 batches, 1.40 s of CPU each, records included)",
         "where the cores went: Spark tasks 0.40, JIT compiler 0.20, Python driver 0.10",
         "in batches",
         "classes generated and compiled meanwhile: 40, 8.0 per batch",
+        "a batch's phases, mean seconds",
+        "  bronze                             -             -             -         0.50s         0.10s             -",
     ):
         assert needle in text
     assert "training cost" in text and "NOT met" in text
