@@ -258,22 +258,26 @@ class Settings:
         "spark.sql.shuffle.partitions, and so the state store partitions of each stateful operator (fixed into a "
         "query's checkpoint at its first run): every partition is a task, and a state store commit, per batch.",
     )
+    # The three triggers set the stream's CPU: every batch costs 1.4-1.8 s of CPU whatever its rows, so the
+    # stream needs about that times its batches a second (docs/cost-model.md, "The floor"). These defaults
+    # ask for about 0.65 batches a second, 1.25 cores at 500 events/s, and leave the rest of 2 cores to the
+    # broker, the simulator, the dashboard and the trainer; shorter ones saturate the machine at any rate.
     trigger_interval: str = _setting(
         "TRIGGER_INTERVAL",
-        "2 seconds",
+        "5 seconds",
         _parse_interval,
         "Processing-time trigger of the ingest query: every record in bronze and silver within seconds.",
     )
     gold_trigger_interval: str = _setting(
         "GOLD_TRIGGER_INTERVAL",
-        "5 seconds",
+        "10 seconds",
         _parse_interval,
         "Processing-time trigger of the gold queries due within seconds (scores, alerts, device status, live "
-        "windows): each batch takes several ingest batches' readings for one batch's fixed costs.",
+        "windows): each batch takes two ingest batches' readings for one batch's fixed costs.",
     )
     final_trigger_interval: str = _setting(
         "FINAL_TRIGGER_INTERVAL",
-        "30 seconds",
+        "60 seconds",
         _parse_interval,
         "Processing-time trigger of the final windows and of the late arrivals: what they write can only be "
         "due once the watermark has moved on.",
