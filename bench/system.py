@@ -138,7 +138,7 @@ class MemorySampler(threading.Thread):
 
 def parse_stat_cpu_ticks(fields: list[str]) -> int:
     """utime + stime + cutime + cstime (clock ticks) from ``/proc/<pid>/stat`` fields after the command name:
-    the process's own CPU and that of its children it has already reaped (ended Python workers)."""
+    the process's own CPU and that of its children it has already reaped (ended Python workers, commands)."""
     return sum(int(fields[i]) for i in (11, 12, 13, 14))
 
 
@@ -161,7 +161,9 @@ THREAD_ROLES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 OTHER_THREADS = "other JVM threads"
 ENDED_THREADS = "JVM threads that ended"
-PYTHON_WORKERS = "Python workers"
+CHILD_PROCESSES = "child processes"
+"""Everything under the JVM: its Python workers, and the commands it runs (on a local disk without Hadoop's native
+library, a ``chmod`` for every file Hadoop creates and a ``readlink`` for every rename through ``FileContext``)."""
 PYTHON_DRIVER = "Python driver"
 
 
@@ -208,10 +210,10 @@ def cpu_by_role(
 class CpuMeter:
     """Average cores a Spark application used between ``start()`` and ``stop()``, and where they went.
 
-    The application is the JVM ``jvm`` with every process under it (Python workers) and, given, the Python
+    The application is the JVM ``jvm`` with every process under it (``CHILD_PROCESSES``) and, given, the Python
     ``driver`` process itself (``foreachBatch`` functions run there; not its other children). ``parts`` splits
     the total by the JVM's thread roles (JIT compiler, garbage collector, Spark's tasks, the queries' driver
-    threads that plan and commit each batch, ...), the Python workers and the Python driver: the cost model's
+    threads that plan and commit each batch, ...), the child processes and the Python driver: the cost model's
     fixed per-batch costs and per-row costs, measured on the running stream. ``counters`` are cumulative
     figures of the application (how many classes Spark generated, say), each reported as its growth.
     """
@@ -233,7 +235,7 @@ class CpuMeter:
         wall = now["time"] - then["time"]
         jvm_own = now["jvm"] - then["jvm"]
         parts = cpu_by_role(then["threads"], now["threads"], jvm_own)
-        parts[PYTHON_WORKERS] = max(0.0, (now["tree"] - then["tree"]) - jvm_own)
+        parts[CHILD_PROCESSES] = max(0.0, (now["tree"] - then["tree"]) - jvm_own)
         if self.driver is not None:
             parts[PYTHON_DRIVER] = now["driver"] - then["driver"]
         cpu = sum(parts.values())
