@@ -8,7 +8,7 @@ import pytest
 
 from iotmon import class_archive
 from iotmon.config import Settings
-from iotmon.spark import driver_java_options
+from iotmon.spark import GARBAGE_COLLECTOR, driver_java_options
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def test_an_operator_managing_class_sharing_keeps_the_flags(jdk: Path, tmp_path:
     path.parent.mkdir(parents=True)
     path.write_bytes(b"")
     assert class_archive.java_options(settings) == ""
-    assert driver_java_options(settings).endswith(f"properties {own}")
+    assert driver_java_options(settings).endswith(f"properties {GARBAGE_COLLECTOR} {own}")
 
 
 def test_another_jdk_gets_an_archive_of_its_own(jdk: Path, tmp_path: Path) -> None:

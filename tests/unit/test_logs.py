@@ -66,13 +66,16 @@ def test_spark_logs_at_warn_and_keeps_intended_warnings_at_error(tmp_path: Path)
     assert "rootLogger.level = debug" in logs.spark_log_config(verbose).read_text()
 
 
-def test_the_driver_jvm_gets_the_log_configuration_then_the_operator_s_own_flags(tmp_path: Path) -> None:
-    from iotmon.spark import driver_java_options
+def test_the_driver_jvm_gets_the_log_configuration_and_collector_then_the_operator_s_own_flags(tmp_path: Path) -> None:
+    from iotmon.spark import GARBAGE_COLLECTOR, driver_java_options
 
-    config = logs.spark_log_config(Settings(home=tmp_path))
-    assert driver_java_options(Settings(home=tmp_path)) == f"-Dlog4j2.configurationFile={config}"
+    log_config = f"-Dlog4j2.configurationFile={logs.spark_log_config(Settings(home=tmp_path))}"
+    assert driver_java_options(Settings(home=tmp_path)) == f"{log_config} {GARBAGE_COLLECTOR}"
+    jit = Settings(home=tmp_path, spark_driver_java_options="-XX:TieredStopAtLevel=1")
+    assert driver_java_options(jit) == f"{log_config} {GARBAGE_COLLECTOR} -XX:TieredStopAtLevel=1"
+    # An operator naming a collector gets it alone: the JVM refuses to start with two.
     tuned = Settings(home=tmp_path, spark_driver_java_options="-XX:+UseSerialGC -XX:TieredStopAtLevel=1")
-    assert driver_java_options(tuned) == f"-Dlog4j2.configurationFile={config} -XX:+UseSerialGC -XX:TieredStopAtLevel=1"
+    assert driver_java_options(tuned) == f"{log_config} -XX:+UseSerialGC -XX:TieredStopAtLevel=1"
 
 
 def test_a_process_started_inside_output_to_log_writes_to_the_file_and_the_console_comes_back(
