@@ -60,6 +60,10 @@ class TrainingError(RuntimeError):
     """Training cannot run (no archive yet, too little data); the message says what to do."""
 
 
+class TrainingStopped(RuntimeError):
+    """The run was asked to stop (``train``'s ``stop``) and gave up before its next step."""
+
+
 @dataclass(frozen=True)
 class ArchiveExtent:
     """How much silver holds: enough to train on, or what is missing."""
@@ -183,15 +187,21 @@ def _types(metrics: dict[str, float]) -> list[str]:
 
 
 class _Steps:
-    """Progress lines, one per step, and how long each step took."""
+    """Progress lines, one per step, and how long each step took; between steps, whether to go on."""
 
-    def __init__(self, out: TextIO) -> None:
-        self.out = out
+    def __init__(self, out: TextIO, stop: threading.Event | None = None) -> None:
+        self.out, self.stop = out, stop
         self.seconds: dict[str, float] = {}
         self.current: str | None = None
         self.started = 0.0
 
+    def go_on(self) -> None:
+        """Raise ``TrainingStopped`` if the run was asked to stop."""
+        if self.stop is not None and self.stop.is_set():
+            raise TrainingStopped(f"stopped after step {self.current or 'none'}")
+
     def __call__(self, name: str, message: str) -> None:
+        self.go_on()
         self.finish()
         print(f"{STEP_PREFIX}{message}", file=self.out, flush=True)
         self.current, self.started = name, time.monotonic()
@@ -212,11 +222,21 @@ def pinned_silver(spark: SparkSession, settings: Settings) -> tuple[ArchiveExten
     return extent, spark.read.format("delta").option("versionAsOf", extent.version).load(settings.table_path(SILVER))
 
 
-def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: TextIO = sys.stderr) -> TrainReport:
+def train(
+    spark: SparkSession,
+    settings: Settings,
+    options: TrainOptions,
+    out: TextIO = sys.stderr,
+    stop: threading.Event | None = None,
+) -> TrainReport:
+    """Fit, evaluate and log a model on silver as it is now, and promote it if it is not worse than the champion.
+
+    A set ``stop`` ends the run at its next step (``TrainingStopped``), and before a promotion: the repeated
+    cancels of a stopped run's Spark jobs (``PeriodicTrainer.start``) miss what runs between them."""
     import mlflow
     import mlflow.spark
 
-    step = _Steps(out)
+    step = _Steps(out, stop)
     step("read", "reading silver")
     extent, archive = pinned_silver(spark, settings)
     spec = FeatureSpec.from_settings(settings)
@@ -293,6 +313,7 @@ def train(spark: SparkSession, settings: Settings, options: TrainOptions, out: T
         if champion is not None:
             mlflow.set_tag("champion_version", str(champion.version))
         if promoted:
+            step.go_on()  # a stop during the log step leaves a registered version, never a new champion
             registry.promote(settings, version)
     featured.unpersist()
     step.finish()
@@ -430,7 +451,7 @@ class PeriodicTrainer:
                 if stop.is_set():  # stopped while deciding: no run to start
                     return
                 attempted = True
-                report = train(self.session(), self.settings, self.options())
+                report = train(self.session(), self.settings, self.options(), stop=stop)
                 # The next run starts a full interval after this one ended: on a busy machine a run can outlast
                 # the interval, and back-to-back runs would hold the cores the stream needs.
                 started, trained_on = time.monotonic(), report.silver_version

@@ -146,7 +146,7 @@ def test_a_stop_cancels_the_runs_jobs_until_the_run_gives_up(tmp_path, monkeypat
             job.set()
         cancelled.set()
 
-    def a_run(*_: object) -> None:
+    def a_run(*_: object, **__: object) -> None:
         started.set()
         assert cancelled.wait(60)  # the features, in Python: the stop's first cancel finds no job
         job = threading.Event()
@@ -168,3 +168,24 @@ def test_a_stop_cancels_the_runs_jobs_until_the_run_gives_up(tmp_path, monkeypat
     assert ran_to_its_end == [False], "the job ran to its end: the run was not given up"
     assert cancels[0] == 0 and cancels[-1] == 1, cancels
     assert "iotmon train: stopped; the run in progress was abandoned, champion unchanged" in out.getvalue()
+
+
+def test_a_stopped_run_goes_no_further_than_the_step_it_is_in() -> None:
+    """The step boundaries are where a stopped run gives up, whether or not a Spark job was there to cancel."""
+    import io
+    import threading
+
+    import pytest
+
+    from ml.train import TrainingStopped, _Steps
+
+    out, stop = io.StringIO(), threading.Event()
+    step = _Steps(out, stop)
+    step("read", "reading silver")
+    step("features", "computing features")
+    stop.set()
+    with pytest.raises(TrainingStopped, match="after step features"):
+        step("fit", "fitting")
+    assert out.getvalue().splitlines()[-1].endswith("computing features"), "the next step never started"
+    with pytest.raises(TrainingStopped):
+        step.go_on()  # as before a promotion
