@@ -38,9 +38,9 @@ def fair_pools_file(settings: Settings, weights: Mapping[str, int]) -> Path:
 
 
 GARBAGE_COLLECTOR = "-XX:+UseParallelGC"
-"""The driver JVM's collector. The stream keeps a few hundred megabytes live and makes garbage at every batch;
-the JDK's default (G1) spent about 0.2 core of the stream's 1.25 at the demo's rate collecting it concurrently,
-the throughput collector 0.1, in short pauses (docs/cost-model.md, the collector)."""
+"""The driver JVM's collector. A batch's garbage dies young; the JDK's default (G1) spent about 0.2 core of the
+stream's 1.25 at the demo's rate, much of it marking concurrently, the throughput collector 0.1 in short pauses
+(docs/cost-model.md, the collector and the checkpoint files)."""
 _NAMES_A_COLLECTOR = re.compile(r"-XX:\+Use\w+GC\b")
 
 
@@ -54,8 +54,8 @@ LOCAL_CHECKPOINT_FILE_MANAGER = (
 )
 """How the stream writes its offset, commit and state files on a local disk. Spark's default goes through
 Hadoop's ``FileContext``, whose local file system (without Hadoop's native library, which Maven Central does
-not ship) runs a ``readlink`` process for every rename, about 30 a second here; renaming through
-``FileSystem`` is the same atomic rename without the process (docs/cost-model.md, the checkpoint files)."""
+not ship) runs a ``readlink`` process for every rename; renaming through ``FileSystem`` is the same atomic
+rename without the process (docs/cost-model.md, the collector and the checkpoint files)."""
 
 
 def checkpoint_file_manager(settings: Settings) -> str | None:
