@@ -9,7 +9,6 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import urlparse
 from xml.sax.saxutils import escape
 
 from pyspark.sql import SparkSession
@@ -17,6 +16,7 @@ from pyspark.sql import SparkSession
 from iotmon import class_archive, logs
 from iotmon.config import Settings
 from iotmon.jars import resolve, spark_extras_bundle
+from iotmon.preflight import local_directory
 
 LOOPBACK_IP = "127.0.0.1"
 # Spark's default ``(?i)url`` plus the Kafka client's secret-bearing options (``spark.redaction.regex``,
@@ -61,7 +61,7 @@ rename without the process (docs/cost-model.md, the collector and the checkpoint
 def checkpoint_file_manager(settings: Settings) -> str | None:
     """The checkpoint file manager for the configured checkpoint root: the rename without a process on a local
     disk; Spark's own choice elsewhere (HDFS, object stores), where it knows the store's guarantees."""
-    return LOCAL_CHECKPOINT_FILE_MANAGER if urlparse(settings.checkpoint_root).scheme in ("", "file") else None
+    return LOCAL_CHECKPOINT_FILE_MANAGER if local_directory(settings.checkpoint_root) is not None else None
 
 
 def driver_java_options(settings: Settings) -> str:
