@@ -258,9 +258,9 @@ class Settings:
         "spark.sql.shuffle.partitions, and so the state store partitions of each stateful operator (fixed into a "
         "query's checkpoint at its first run): every partition is a task, and a state store commit, per batch.",
     )
-    # The three triggers set the stream's CPU: every batch costs 1.4-1.8 s of CPU whatever its rows, so the
+    # The three triggers set the stream's CPU: every batch costs about 1.4 s of CPU whatever its rows, so the
     # stream needs about that times its batches a second (docs/cost-model.md, "The floor"). These defaults
-    # ask for about 0.65 batches a second, 1.25 cores at 500 events/s, and leave the rest of 2 cores to the
+    # ask for about 0.65 batches a second, about 1 core at 500 events/s, and leave the rest of 2 cores to the
     # broker, the simulator, the dashboard and the trainer; shorter ones saturate the machine at any rate.
     trigger_interval: str = _setting(
         "TRIGGER_INTERVAL",
