@@ -8,31 +8,36 @@ pipeline's hot path.
 Only on-time readings count (silver's ``lateness``): the simulator holds late readings back on purpose,
 and their delay is the sensor's, not the pipeline's.
 
-A window row is measured from the window's end to the commit holding the row (``window_latency``). Not from
-the newest event in it: the row does not carry that time, and the window's end is the moment its last
-on-time reading could at the earliest have happened, so the figure is what a dashboard user waits after a
-minute closes. A final window (``device_windows``) is written only once the watermark has passed its end,
-so its figure includes ``IOTMON_WATERMARK`` by design; the live table (``device_windows_live``) is MERGEd at
-every batch, and its row's latest commit is measured (a row still open at its window's end can be negative).
+A reading's live window (``device_windows_live``) is measured from its event to the first commit whose row for
+the reading's device and window counts it (``live_window_latency``): the table is MERGEd at every batch, and
+a MERGE rewrites every file it touches whole, so a row's current file says when the row was last rewritten
+(often minutes after its last change), not when it took the reading in. Every version of a row stays in the
+data files the log added (the project never vacuums), and a window's readings reach the live query in Kafka
+offset order (one partition per device), so the reading that is the window's k-th by offset is counted from
+the first version whose ``readings`` is at least k.
+
+A final window (``device_windows``) is written once, when the watermark has passed its end, and is
+measured from the window's end to its commit (``window_latency``): its figure includes ``IOTMON_WATERMARK``
+by design, and it is what a dashboard user waits for a minute's final row after the minute closes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType
 
-from iotmon.config import Settings
+from iotmon.config import Settings, interval_seconds
 from iotmon.lake import list_files
 from iotmon.schema import (
     ANOMALIES,
     BRONZE,
     DEVICE_ID,
-    DEVICE_WINDOWS,
     EVENT_TIME,
+    LATE,
     LATENESS,
     LIVE_WINDOWS,
     ON_TIME,
@@ -40,9 +45,9 @@ from iotmon.schema import (
     SEQ,
     SILVER,
 )
+from streaming.windows import WindowSpec
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
-WINDOW_TABLES: tuple[str, ...] = (DEVICE_WINDOWS, LIVE_WINDOWS)
 WINDOW_END = "window_end"
 
 _LOG_SCHEMA = StructType([StructField("add", StructType([StructField("path", StringType())]))])
@@ -91,30 +96,74 @@ def percentiles(latencies: DataFrame, table: str) -> Latency:
 
 
 def measure(spark: SparkSession, settings: Settings, since: datetime, until: datetime | None = None) -> list[Latency]:
-    """Event → bronze, silver and anomalies rows, for on-time readings with events in ``[since, until)``."""
+    """Event → bronze, silver, anomalies and live-window rows, for on-time readings with events in
+    ``[since, until)``."""
 
     def load(name: str) -> DataFrame:
         return with_data_file(spark.read.format("delta").load(settings.table_path(name)))
 
-    def in_range(column: str) -> F.Column:
-        window = F.col(column) >= F.lit(since)
-        return window & (F.col(column) < F.lit(until)) if until is not None else window
-
-    silver = load(SILVER).where(in_range(EVENT_TIME) & (F.col(LATENESS) == ON_TIME))
+    silver = load(SILVER).where(_in_range(EVENT_TIME, since, until) & (F.col(LATENESS) == ON_TIME))
     on_time = silver.select(DEVICE_ID, SEQ)
-    bronze = load(BRONZE).where(in_range("kafka_timestamp") & F.col(PARSE_ERROR).isNull())
-    anomalies = load(ANOMALIES).where(in_range(EVENT_TIME)).join(on_time, [DEVICE_ID, SEQ], "left_semi")
+    bronze = load(BRONZE).where(_in_range("kafka_timestamp", since, until) & F.col(PARSE_ERROR).isNull())
+    anomalies = load(ANOMALIES).where(_in_range(EVENT_TIME, since, until)).join(on_time, [DEVICE_ID, SEQ], "left_semi")
     measured = ((BRONZE, bronze, "kafka_timestamp"), (SILVER, silver, EVENT_TIME), (ANOMALIES, anomalies, EVENT_TIME))
     return [
-        percentiles(visibility_latency(rows, commit_times(spark, settings.table_path(name)), reference), name)
-        for name, rows, reference in measured
+        *(
+            percentiles(visibility_latency(rows, commit_times(spark, settings.table_path(name)), reference), name)
+            for name, rows, reference in measured
+        ),
+        live_window_latency(spark, settings, since, until),
     ]
+
+
+def _in_range(column: str, since: datetime, until: datetime | None) -> F.Column:
+    after = F.col(column) >= F.lit(since)
+    return after & (F.col(column) < F.lit(until)) if until is not None else after
+
+
+def row_versions(spark: SparkSession, table_path: str) -> DataFrame:
+    """Every version of every row an unpartitioned table has held, with ``committed_at``, the time of the commit
+    that wrote it: the rows of every data file its log added, the files later MERGEs removed included."""
+    files = list_files(spark, table_path, ".parquet")
+    commits = commit_times(spark, table_path)
+    if not files:
+        return spark.createDataFrame([], "data_file string, committed_at timestamp")
+    return with_data_file(spark.read.parquet(*files)).join(commits, "data_file")
+
+
+def live_window_latency(
+    spark: SparkSession, settings: Settings, since: datetime, until: datetime | None = None
+) -> Latency:
+    """Event -> the first commit of ``device_windows_live`` counting the reading, for on-time readings with
+    events in ``[since, until)`` (see the module docstring). A reading no version counts yet is left out."""
+    length = WindowSpec.from_settings(settings).window
+    window_start = F.window(EVENT_TIME, length).start
+    # Every countable reading of each window a measured reading is in, so that ranks count from its start.
+    margin = timedelta(seconds=interval_seconds(length))
+    around = _in_range(EVENT_TIME, since - margin, until + margin if until is not None else None)
+    silver = spark.read.format("delta").load(settings.table_path(SILVER))
+    by_offset = Window.partitionBy(DEVICE_ID, "window_start").orderBy("partition", "offset")
+    readings = (
+        silver.where(around & F.col(LATENESS).isin(ON_TIME, LATE))
+        .withColumn("window_start", window_start)
+        .withColumn("rank", F.row_number().over(by_offset))
+        .where(_in_range(EVENT_TIME, since, until) & (F.col(LATENESS) == ON_TIME))
+        .select(DEVICE_ID, SEQ, EVENT_TIME, "window_start", "rank")
+    )
+    versions = row_versions(spark, settings.table_path(LIVE_WINDOWS)).select(
+        DEVICE_ID, "window_start", F.col("readings").alias("counted"), "committed_at"
+    )
+    counted = readings.join(versions, [DEVICE_ID, "window_start"]).where(F.col("counted") >= F.col("rank"))
+    first = counted.groupBy(DEVICE_ID, SEQ, EVENT_TIME).agg(F.min("committed_at").alias("committed_at"))
+    micros = F.unix_micros("committed_at") - F.unix_micros(EVENT_TIME)
+    return percentiles(first.select((micros / 1e6).alias("latency_s")), LIVE_WINDOWS)
 
 
 def window_latency(
     spark: SparkSession, settings: Settings, table: str, since: datetime, until: datetime | None = None
 ) -> Latency:
-    """Window end -> commit of the row, for windows ending in ``[since, until)`` (see the module docstring)."""
+    """Window end -> commit of the row, for windows ending in ``[since, until)``, in a table that writes each row
+    once (the final windows; see the module docstring)."""
     rows = with_data_file(spark.read.format("delta").load(settings.table_path(table)))
     in_range = F.col(WINDOW_END) >= F.lit(since)
     if until is not None:
@@ -124,9 +173,9 @@ def window_latency(
 
 
 def render(results: list[Latency]) -> str:
-    head = f"{'table':<12}{'rows':>10}" + "".join(f"{f'p{round(q * 100)}':>9}" for q in QUANTILES)
+    head = f"{'table':<20}{'rows':>10}" + "".join(f"{f'p{round(q * 100)}':>9}" for q in QUANTILES)
     lines = [head]
     for r in results:
         cells = "".join(f"{s:>8.2f}s" for s in r.seconds) if r.seconds else f"{'no rows':>9}"
-        lines.append(f"{r.table:<12}{r.rows:>10,}{cells}")
+        lines.append(f"{r.table:<20}{r.rows:>10,}{cells}")
     return "\n".join(lines)

@@ -6,8 +6,8 @@ every query at once, as ``iotmon stream`` does. The first ``warmup`` seconds are
 first batches plan, generate and JIT-compile their code and start Python workers, all at once on two cores,
 which is a start-up figure, not a steady one. Once the fleet has stopped and every query has read what its
 source holds, latency is read back from the Delta logs (``bench.latency``) for the events after the warm-up:
-event -> bronze, silver and anomaly rows, and window end -> window row; the stream's CPU and each query's
-batches are those after the warm-up too.
+event -> bronze, silver, anomaly and live-window rows, and window end -> final window row; the stream's CPU
+and each query's batches are those after the warm-up too.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
-from bench.latency import WINDOW_TABLES, measure, window_latency
+from bench.latency import measure, window_latency
 from bench.progress import ProgressCollector
 from bench.system import CpuMeter
 from bench.throughput import Log, drain_concurrently, topic_records
 from iotmon.config import Settings
 from iotmon.kafka import ensure_topic
+from iotmon.schema import DEVICE_WINDOWS
 from simulators.publish import write_device_registry
 
 CATCH_UP_MIN_S = 300.0
@@ -119,7 +120,7 @@ def steady_state(
     records = topic_records(settings)
     since = measured["since"]
     latencies = [*measure(spark, settings, since, until)]
-    latencies += [window_latency(spark, settings, table, since, until) for table in WINDOW_TABLES]
+    latencies.append(window_latency(spark, settings, DEVICE_WINDOWS, since, until))
     return {
         "mode": run["mode"],
         "rate": round(rate, 1),

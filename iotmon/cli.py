@@ -845,7 +845,9 @@ def build_parser() -> argparse.ArgumentParser:
     sql = command("sql", cmd_sql, "Spark SQL over the lake tables (bronze, quarantine, devices, ...)")
     sql.add_argument("statement", nargs="?", help='e.g. "SELECT parse_error, count(*) FROM bronze GROUP BY 1"')
     sql.add_argument("--limit", type=int, default=50, help="rows to show (default 50)")
-    latency = command("latency", cmd_latency, "event-to-Delta-commit latency percentiles of bronze, silver, anomalies")
+    latency = command(
+        "latency", cmd_latency, "event-to-Delta-commit latency percentiles of bronze, silver, anomalies, live windows"
+    )
     latency.add_argument("--since", type=_utc_time, help="events from this UTC time, e.g. 2026-11-22T10:00:00")
     latency.add_argument("--last", type=_seconds, default=600.0, help="else the last DURATION (default 10 minutes)")
     _add_bench_arguments(
