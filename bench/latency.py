@@ -121,11 +121,15 @@ def _in_range(column: str, since: datetime, until: datetime | None) -> F.Column:
     return after & (F.col(column) < F.lit(until)) if until is not None else after
 
 
-def row_versions(spark: SparkSession, table_path: str) -> DataFrame:
+def row_versions(spark: SparkSession, table_path: str, since: datetime | None = None) -> DataFrame:
     """Every version of every row an unpartitioned table has held, with ``committed_at``, the time of the commit
-    that wrote it: the rows of every data file its log added, the files later MERGEs removed included."""
-    files = list_files(spark, table_path, ".parquet")
+    that wrote it: the rows of every data file its log added (from ``since`` on), the files later MERGEs removed
+    included."""
     commits = commit_times(spark, table_path)
+    if since is not None:
+        commits = commits.where(F.col("committed_at") >= F.lit(since))
+    added = {row["data_file"] for row in commits.select("data_file").collect()}
+    files = [path for path in list_files(spark, table_path, ".parquet") if path.rsplit("/", 1)[-1] in added]
     if not files:
         return spark.createDataFrame([], "data_file string, committed_at timestamp")
     return with_data_file(spark.read.parquet(*files)).join(commits, "data_file")
@@ -150,7 +154,8 @@ def live_window_latency(
         .where(_in_range(EVENT_TIME, since, until) & (F.col(LATENESS) == ON_TIME))
         .select(DEVICE_ID, SEQ, EVENT_TIME, "window_start", "rank")
     )
-    versions = row_versions(spark, settings.table_path(LIVE_WINDOWS)).select(
+    # A reading is committed after its event, give or take a sensor clock's skew: older files cannot count it.
+    versions = row_versions(spark, settings.table_path(LIVE_WINDOWS), since - margin).select(
         DEVICE_ID, "window_start", F.col("readings").alias("counted"), "committed_at"
     )
     counted = readings.join(versions, [DEVICE_ID, "window_start"]).where(F.col("counted") >= F.col("rank"))
@@ -173,9 +178,10 @@ def window_latency(
 
 
 def render(results: list[Latency]) -> str:
-    head = f"{'table':<20}{'rows':>10}" + "".join(f"{f'p{round(q * 100)}':>9}" for q in QUANTILES)
+    """One line per table; columns stay apart however wide a figure is (a simulated past is days old)."""
+    head = f"{'table':<20}{'rows':>10}" + "".join(f" {f'p{round(q * 100)}':>9}" for q in QUANTILES)
     lines = [head]
     for r in results:
-        cells = "".join(f"{s:>8.2f}s" for s in r.seconds) if r.seconds else f"{'no rows':>9}"
+        cells = "".join(f" {s:>8.2f}s" for s in r.seconds) if r.seconds else f" {'no rows':>9}"
         lines.append(f"{r.table:<20}{r.rows:>10,}{cells}")
     return "\n".join(lines)

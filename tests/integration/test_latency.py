@@ -15,6 +15,7 @@ from bench.latency import (
     commit_times,
     live_window_latency,
     percentiles,
+    row_versions,
     visibility_latency,
     window_latency,
     with_data_file,
@@ -96,6 +97,12 @@ def test_a_reading_reaches_its_live_window_with_the_first_commit_that_counts_it(
     committed = {row["version"]: row["timestamp"] for row in history}
     rewritten = spark.read.format("delta").load(live_path).select(F.input_file_name()).distinct().count()
     assert rewritten == 1  # both rows now in the MERGE's file: its time is not dev-b's latency
+
+    files = sorted(commit_times(spark, live_path).collect(), key=lambda r: r["committed_at"])
+    versions = row_versions(spark, live_path).groupBy("data_file").count().collect()
+    assert sorted((r["data_file"], r["count"]) for r in versions) == sorted((f["data_file"], 2) for f in files)
+    merged = row_versions(spark, live_path, since=files[-1]["committed_at"])
+    assert {r["data_file"] for r in merged.collect()} == {files[-1]["data_file"]}  # the MERGE's file only
 
     measured = live_window_latency(spark, settings, since=T0)
 
