@@ -15,14 +15,18 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from ingest.silver import READING_KEY
+from iotmon.cli import main
 from iotmon.config import Settings, interval_seconds
 from iotmon.queries import run_until_idle
 from iotmon.schema import (
+    ANOMALIES,
+    BRONZE,
     DEVICE_SESSIONS,
     DEVICE_STATUS,
     DEVICE_STATUS_CHANGES,
     DEVICE_WINDOWS,
     LIVE_WINDOWS,
+    ON_TIME,
     SILVER,
     STREAM_CLOCK,
     TOO_LATE,
@@ -151,6 +155,30 @@ def test_dropouts_take_devices_offline_and_back(fleet: tuple[Settings, Path], sp
         back = silver.where((F.col("device_id") == device) & (F.col("event_time") >= end)).agg(F.min("event_time"))
         returned = mine.where((F.col("previous_status") == "offline") & (F.col("changed_at") == back.first()[0]))
         assert returned.count() == 1, (device, back.first()[0], mine.orderBy("changed_at").collect())
+
+
+def test_latency_reads_each_on_time_reading_back_from_every_table(
+    fleet: tuple[Settings, Path], spark: SparkSession, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``iotmon latency`` as documented: one line per table, each on-time reading found in silver and in the
+    live window version that first counted it (by its rank in Kafka order)."""
+    isolated, _ = fleet
+    for name, value in isolated.to_env().items():
+        monkeypatch.setenv(name, value)
+    on_time = (
+        spark.read.format("delta")
+        .load(isolated.table_path(SILVER))
+        .where((F.col("lateness") == ON_TIME) & (F.col("event_time") >= F.lit(START)))
+        .count()
+    )
+
+    assert main(["latency", "--since", START.strftime("%Y-%m-%dT%H:%M:%S")]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[2:]}
+
+    assert set(rows) == {BRONZE, SILVER, ANOMALIES, LIVE_WINDOWS}
+    assert on_time > 0
+    assert int(rows[SILVER].replace(",", "")) == on_time
+    assert int(rows[LIVE_WINDOWS].replace(",", "")) == on_time
 
 
 def test_backfill_rebuilds_what_the_stream_produced_and_a_second_run_extends_it(
