@@ -70,7 +70,8 @@ def test_a_reading_reaches_its_live_window_with_the_first_commit_that_counts_it(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     """The MERGE that updates dev-a rewrites the file dev-b's unchanged row is in: dev-b's reading still dates
-    from the commit that first counted it, and dev-a's third reading from the MERGE."""
+    from the commit that first counted it, and dev-a's third on-time reading (its window's fourth by offset)
+    from the MERGE."""
     settings = replace(Settings(), lake=str(tmp_path))
     at = [T0 + dt.timedelta(seconds=s) for s in (1, 2, 3, 4, 5, 6)]
     silver = [  # device, seq, event time, lateness, partition, offset
