@@ -141,10 +141,29 @@ def cmd_replay(settings: Settings, args: argparse.Namespace) -> int:
 # --- stream ------------------------------------------------------------------------------------------------
 
 
+_INTERRUPTED_EARLY: list[int] = []
+"""SIGINTs that arrived before ``stop_on_signals`` took over (``remember_interrupts``)."""
+
+
+def remember_interrupts() -> None:
+    """Python's own SIGINT handler, remembered. A library that imports inside ``except BaseException``
+    (PySpark's ``pyspark.ml.linalg`` does, around SciPy) swallows the ``KeyboardInterrupt`` of a Ctrl-C or a
+    supervisor's SIGINT that lands in that import, and a long-running command would then run on as if never
+    asked to stop (a periodic trainer did, under ``iotmon chaos``). ``stop_on_signals`` honours it at once."""
+    _INTERRUPTED_EARLY.clear()
+
+    def handler(signum: int, _frame: object) -> None:
+        _INTERRUPTED_EARLY.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
 def stop_on_signals(then: Callable[[], None] | None = None) -> threading.Event:
     """An event that SIGINT and SIGTERM set (and then call ``then``). Installed before anything starts, so a
-    signal that arrives while Spark is still starting also ends in a clean stop rather than a kill. A second
-    signal does not wait for that clean stop: it raises ``KeyboardInterrupt``, as Python's default would."""
+    signal that arrives while Spark is still starting also ends in a clean stop rather than a kill; one that
+    arrived even earlier, and was swallowed, sets it at once (``remember_interrupts``). A second signal does
+    not wait for that clean stop: it raises ``KeyboardInterrupt``, as Python's default would."""
     stop = threading.Event()
 
     def handler(*_: object) -> None:
@@ -156,6 +175,9 @@ def stop_on_signals(then: Callable[[], None] | None = None) -> threading.Event:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handler)
+    if _INTERRUPTED_EARLY:
+        _INTERRUPTED_EARLY.clear()
+        handler()
     return stop
 
 
@@ -927,6 +949,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+        remember_interrupts()
     from iotmon import logs
 
     try:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 from pathlib import Path
 
 import pytest
 
-from iotmon.cli import EXIT_ERROR, main
+from iotmon.cli import EXIT_ERROR, main, remember_interrupts, stop_on_signals
 
 
 @pytest.fixture(autouse=True)
@@ -136,3 +138,25 @@ def test_verbose_asks_this_process_and_its_children_for_library_lines(capsys: py
         assert "IOTMON_LOG_LEVEL" in capsys.readouterr().out
     finally:
         os.environ.pop("IOTMON_LOG_LEVEL", None)
+
+
+def _swallowed_interrupt() -> None:
+    """A SIGINT landing where a library catches everything (``pyspark.ml.linalg`` around ``import scipy``)."""
+    with contextlib.suppress(BaseException):
+        signal.raise_signal(signal.SIGINT)  # its Python handler runs before this returns
+
+
+def test_an_interrupt_a_library_swallowed_while_starting_still_stops_the_command() -> None:
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own: the interrupt is lost
+        _swallowed_interrupt()
+        assert not stop_on_signals().is_set()
+
+        remember_interrupts()  # what `main` installs first
+        _swallowed_interrupt()
+        assert stop_on_signals().is_set()
+        assert not stop_on_signals().is_set()  # honoured once: a later command in this process runs
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
