@@ -170,11 +170,8 @@ def window_latency(
     """Window end -> commit of the row, for windows ending in ``[since, until)``, in a table that writes each row
     once (the final windows; see the module docstring)."""
     rows = with_data_file(spark.read.format("delta").load(settings.table_path(table)))
-    in_range = F.col(WINDOW_END) >= F.lit(since)
-    if until is not None:
-        in_range = in_range & (F.col(WINDOW_END) <= F.lit(until))
     commits = commit_times(spark, settings.table_path(table))
-    return percentiles(visibility_latency(rows.where(in_range), commits, WINDOW_END), table)
+    return percentiles(visibility_latency(rows.where(_in_range(WINDOW_END, since, until)), commits, WINDOW_END), table)
 
 
 def render(results: list[Latency]) -> str:
