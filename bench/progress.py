@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from pyspark.sql import SparkSession
-from pyspark.sql.streaming import StreamingQueryListener
 from pyspark.sql.streaming.listener import (
     QueryIdleEvent,
     QueryProgressEvent,
@@ -20,14 +19,14 @@ from pyspark.sql.streaming.listener import (
     QueryTerminatedEvent,
 )
 
-from iotmon.ops import progress_row
+from iotmon.ops import JsonEventListener, progress_row
 
 BATCH_PHASES: tuple[str, ...] = ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walCommit", "commitOffsets")
 """The phases of a micro-batch its progress times (``durationMs``): the source's new offsets, the batch's data
 frame, planning, running it into the sink, and the offset and commit logs. Their sum is most of the batch."""
 
 
-class ProgressCollector(StreamingQueryListener):
+class ProgressCollector(JsonEventListener):
     """Progress rows (``iotmon.ops.progress_row`` without the raw JSON) of every query of one session."""
 
     def __init__(self, source_reads: Mapping[str, int] | None = None) -> None:

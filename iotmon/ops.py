@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ParamSpec, TextIO
+from typing import Any, ClassVar, ParamSpec, TextIO
 
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQueryListener
@@ -250,6 +250,49 @@ class RunFile:
 # --- the recorder ------------------------------------------------------------------------------------------
 
 
+class JsonEventListener(StreamingQueryListener):
+    """A streaming query listener whose events are read from the JSON Spark renders them as.
+
+    PySpark's own adapter copies a progress report into Python field by field, a py4j round trip each, and
+    resolves a JVM class by name for every observed metric; on the listener bus's thread such a lookup
+    searches every jar on the class path. At the demo's rate that took 7 % of the stream JVM's samples, more
+    than most queries' own threads (docs/cost-model.md). Here each event costs one call (``json()``), and the
+    listener gets PySpark's own event classes, built with their ``fromJson``.
+    """
+
+    @property
+    def _jlistener(self) -> Any:  # what ``StreamingQueryManager.addListener`` registers
+        if not hasattr(self, "_json_jlistener"):
+            from pyspark import SparkContext
+
+            jvm = SparkContext._jvm
+            assert jvm is not None, "listeners are installed on a running session"
+            self._json_jlistener = jvm.PythonStreamingQueryListenerWrapper(_EventsFromJson(self))
+        return self._json_jlistener
+
+
+class _EventsFromJson:
+    """The Java interface PySpark's listeners implement (``PythonStreamingQueryListener``), over JSON."""
+
+    def __init__(self, listener: StreamingQueryListener) -> None:
+        self.listener = listener
+
+    def onQueryStarted(self, jevent: Any) -> None:
+        self.listener.onQueryStarted(QueryStartedEvent.fromJson(json.loads(jevent.json())))
+
+    def onQueryProgress(self, jevent: Any) -> None:
+        self.listener.onQueryProgress(QueryProgressEvent.fromJson(json.loads(jevent.json())))
+
+    def onQueryIdle(self, jevent: Any) -> None:
+        self.listener.onQueryIdle(QueryIdleEvent.fromJson(json.loads(jevent.json())))
+
+    def onQueryTerminated(self, jevent: Any) -> None:
+        self.listener.onQueryTerminated(QueryTerminatedEvent.fromJson(json.loads(jevent.json())))
+
+    class Java:
+        implements: ClassVar[list[str]] = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
+
+
 def _reported(method: Callable[P, None]) -> Callable[P, None]:
     """Listener callbacks must never raise: an exception would only be logged by the JVM, far from its cause."""
 
@@ -267,7 +310,7 @@ def _query_key(name: str | None, query_id: Any) -> str:
     return name or str(query_id)
 
 
-class ProgressRecorder(StreamingQueryListener):
+class ProgressRecorder(JsonEventListener):
     """Buffers a row per progress event and appends the buffer to ``query_progress`` from its own thread.
 
     Sees the queries of the session it is installed on (each session has its own listener bus). Flushes

@@ -13,11 +13,12 @@ import pytest
 from deltalake import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQueryListener
 
 from iotmon.cli import main
 from iotmon.config import Settings
 from iotmon.kafka import ensure_topic, make_producer, newest_event_time, spark_kafka_options
-from iotmon.ops import install_progress_recorder, read_run_file, run_file_path
+from iotmon.ops import JsonEventListener, install_progress_recorder, read_run_file, run_file_path
 from iotmon.schema import QUERY_PROGRESS
 from iotmon.status import table_status
 from tests.support import wait_for
@@ -64,6 +65,66 @@ def _normalised(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if isinstance(value, datetime):
                 row[key] = value.astimezone(UTC)
     return sorted(rows, key=lambda row: (row["run_id"], row["batch_id"]))
+
+
+class _Events:
+    """What a listener saw, as plain values: each event's kind, query and content."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, Any]] = []
+
+    def onQueryStarted(self, event: Any) -> None:
+        self.seen.append(("started", (event.name, str(event.id), str(event.runId))))
+
+    def onQueryProgress(self, event: Any) -> None:
+        self.seen.append(("progress", json.loads(event.progress.json)))
+
+    def onQueryIdle(self, event: Any) -> None:
+        self.seen.append(("idle", str(event.runId)))
+
+    def onQueryTerminated(self, event: Any) -> None:
+        self.seen.append(("terminated", (str(event.runId), event.exception)))
+
+
+class _FromJson(_Events, JsonEventListener):
+    pass
+
+
+class _PySparks(_Events, StreamingQueryListener):
+    pass
+
+
+def test_a_json_event_listener_sees_what_pyspark_s_own_adapter_sees(spark: SparkSession, tmp_path: Path) -> None:
+    """The recorder's and the bench's listeners read each event from its JSON (one py4j call), not field by
+    field: they must get the same events, with the same progress, as a listener on PySpark's adapter."""
+    source = str(tmp_path / "readings")
+    _append_readings(spark, source, [0, 0.2, 3, 1.0, 6])
+    from_json, pysparks = _FromJson(), _PySparks()
+    for listener in (from_json, pysparks):
+        spark.streams.addListener(listener)
+    try:
+        query = (
+            _windows(spark.readStream.format("delta").option("maxFilesPerTrigger", 1).load(source))
+            .writeStream.format("noop")
+            .queryName("ops_json_events")
+            .outputMode("append")
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        assert query.awaitTermination(120)
+        ended = (from_json, pysparks)
+        wait_for(lambda: all(e.seen and e.seen[-1][0] == "terminated" for e in ended), 60, "both listeners' last event")
+    finally:
+        for listener in (from_json, pysparks):
+            spark.streams.removeListener(listener)
+
+    assert from_json.seen == pysparks.seen
+    progress = [content for kind, content in from_json.seen if kind == "progress"]
+    assert [p["batchId"] for p in progress] == [p["batchId"] for p in query.recentProgress]
+    assert sum(p["observedMetrics"]["quality"]["rows"] for p in progress if "observedMetrics" in p) == 5
+    assert all(p["stateOperators"] for p in progress)
+    assert from_json.seen[0] == ("started", ("ops_json_events", str(query.id), str(query.runId)))
 
 
 def test_every_batch_of_a_stateful_query_is_recorded_once(
