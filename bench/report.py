@@ -15,8 +15,18 @@ from bench.progress import BATCH_PHASES
 from bench.stats import Target, ratio
 from iotmon.schema import ANOMALIES, BRONZE, LIVE_WINDOWS
 
-SECTIONS: tuple[str, ...] = ("machine", "settings", "model", "ceilings", "drain", "steady", "scale", "training")
-PARTS: tuple[str, ...] = ("ceilings", "drain", "steady", "scale", "training")
+SECTIONS: tuple[str, ...] = (
+    "machine",
+    "settings",
+    "model",
+    "ceilings",
+    "drain",
+    "writes",
+    "steady",
+    "scale",
+    "training",
+)
+PARTS: tuple[str, ...] = ("ceilings", "drain", "writes", "steady", "scale", "training")
 """Phases ``--skip`` may leave out (machine, settings and the model are always there)."""
 SKIPPED: dict[str, Any] = {"skipped": True}
 TARGET_CEILING_SHARE = 0.10
@@ -108,6 +118,15 @@ def render(report: Mapping[str, Any]) -> str:
             f"  {'whole path':<22}{_num(drain['events']):>12} evts {drain['seconds']:>8.1f}s "
             f"{_num(drain['events_per_s']):>10} events/s = {_num(drain.get('ceiling_share'), 3)} x Spark's ceiling"
         )
+    writes = report["writes"]
+    if _ran(writes):
+        lines.append(
+            f"Delta writes of {writes['devices']:,} rows, one kind after the other ({writes['rounds']} each timed "
+            f"after {writes['warmup']}): CPU of the Spark JVM and its children, and wall time, per write"
+        )
+        for kind, row in writes["kinds"].items():
+            lines.append(f"  {kind:<22}{row['cpu_s']:>8.2f} s CPU {row['wall_s']:>8.2f} s wall")
+        lines.append(f"  a MERGE costs {_num(writes['merge_to_append_cpu'], 1)} x an append's CPU")
     steady = report["steady"]
     if _ran(steady):
         lines.append(

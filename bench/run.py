@@ -7,9 +7,10 @@ user's lake is never touched, and all sharing one Spark session and the bench's 
    scoring runs in every pipeline phase;
 2. ceilings: a backlog published to the drain topic, then read by a plain consumer and by Spark into noop;
 3. drain: the whole pipeline over that same backlog, query by query (available-now);
-4. steady: a real-time fleet at a fraction of the drain's rate, latency percentiles read from the Delta logs;
-5. scale: a backlog per fleet size drained by every query at once, state and memory per size;
-6. training: ``iotmon train`` timed on archives of growing size.
+4. writes: one Delta append and one MERGE of a row per device, timed alone (what a sink of each kind costs);
+5. steady: a real-time fleet at a fraction of the drain's rate, latency percentiles read from the Delta logs;
+6. scale: a backlog per fleet size drained by every query at once, state and memory per size;
+7. training: ``iotmon train`` timed on archives of growing size.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from bench.throughput import (
     spark_noop_ceiling,
 )
 from bench.training import champion_model, training_cost
+from bench.writes import write_costs
 from iotmon.config import Settings
 from simulators.options import SimulationOptions
 
@@ -53,6 +55,9 @@ class BenchOptions:
     """Bronze batches per scale point (maxOffsetsPerTrigger = events / batches), so event time moves in steps."""
     scale_timeout_s: float = 900.0
     train_sizes: tuple[int, ...] = (100_000, 400_000)
+    write_rounds: int = 20
+    """Writes of each kind the writes phase times, after ``write_warmup`` untimed ones."""
+    write_warmup: int = 10
     steady_seconds: float = 60.0
     steady_warmup: float = 60.0
     """Seconds of publishing before the steady phase measures: the queries' start-up is not steady state."""
@@ -69,7 +74,8 @@ class BenchOptions:
             raise ValueError(
                 f"unknown part(s) to skip: {', '.join(sorted(unknown))}; parts: {', '.join(shaping.PARTS)}"
             )
-        if min(self.events, self.devices, self.scale_events, self.scale_batches, *self.scale, *self.train_sizes) < 1:
+        sizes = (self.events, self.devices, self.scale_events, self.scale_batches, *self.scale, *self.train_sizes)
+        if min(*sizes, self.write_rounds) < 1 or self.write_warmup < 0:
             raise ValueError("sizes must be positive")
         if not 0 < self.fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], not {self.fraction}")
@@ -214,6 +220,11 @@ def _phases(
             drained["ceiling_share"] = ratio(drained["events_per_s"], ceiling)
             drained["memory"] = memory.peaks("drain")
             report["drain"] = drained
+        if options.runs("writes"):
+            log(f"writes: a Delta append and a MERGE of {options.devices:,} rows, {options.write_rounds} of each timed")
+            report["writes"] = write_costs(
+                spark, out / "writes", jvm_pid, options.devices, options.write_rounds, options.write_warmup, log
+            )
         if options.runs("steady"):
             rate = options.steady_rate or options.fraction * report["drain"]["events_per_s"]
             log(

@@ -397,6 +397,7 @@ def cmd_bench(settings: Settings, args: argparse.Namespace) -> int:
         scale=args.scale,
         scale_events=args.scale_events,
         train_sizes=args.train_sizes,
+        write_rounds=args.write_rounds,
         steady_seconds=args.steady_seconds,
         steady_warmup=args.steady_warmup,
         fraction=args.fraction,
@@ -783,6 +784,12 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=Defaults.train_sizes,
         metavar="N,N,...",
         help=f"archive sizes (readings) to time training on (default {sizes(Defaults.train_sizes)})",
+    )
+    parser.add_argument(
+        "--write-rounds",
+        type=int,
+        default=Defaults.write_rounds,
+        help=f"appends and MERGEs the writes phase times, each (default {Defaults.write_rounds})",
     )
     parser.add_argument(
         "--steady-seconds",

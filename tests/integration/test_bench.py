@@ -21,7 +21,7 @@ EVENTS = 3_000
 def test_bench_measures_ceilings_and_the_whole_pipeline_and_reports_them(
     kafka: Settings, spark: SparkSession, tmp_path: Path
 ) -> None:
-    """The phases whose figures are counts: ceilings and the drain (with a champion, so scoring runs).
+    """The phases whose figures are counts: ceilings, the drain (with a champion, so scoring runs) and the writes.
 
     The steady, scale and training phases are timing-bound (a steady state catches up or not, depending on the
     machine's load) and take minutes even at tiny sizes; their pure parts have unit tests, and the default
@@ -30,7 +30,9 @@ def test_bench_measures_ceilings_and_the_whole_pipeline_and_reports_them(
     # A short feature history keeps the model archive small; the session's Spark and broker are reused.
     settings = dataclasses.replace(kafka, home=tmp_path, cache_dir=kafka.cache, feature_history="5 seconds")
     timing_bound = frozenset({"steady", "scale", "training"})
-    options = BenchOptions(events=EVENTS, devices=30, skip=timing_bound, out=tmp_path / "bench")
+    options = BenchOptions(
+        events=EVENTS, devices=30, write_rounds=2, write_warmup=1, skip=timing_bound, out=tmp_path / "bench"
+    )
     report, out = run_bench(settings, options)
 
     written = json.loads((out / "report.json").read_text())
@@ -53,5 +55,12 @@ def test_bench_measures_ceilings_and_the_whole_pipeline_and_reports_them(
     assert rows["anomalies"] > 0.9 * EVENTS
     assert drain["events_per_s"] > 0 and drain["ceiling_share"] > 0
     assert drain["memory"]["jvm_rss_bytes"] > 100 * 1024**2
+
+    # Three appends of the fleet keep every row; three MERGEs of the same keys leave one row per device, the last.
+    writes = written["writes"]["kinds"]
+    assert (writes["append"]["rows"], writes["append"]["devices"], writes["append"]["last_round"]) == (90, 30, 2)
+    assert (writes["merge"]["rows"], writes["merge"]["devices"], writes["merge"]["last_round"]) == (30, 30, 2)
+    assert all(kind["cpu_s"] > 0 and kind["wall_s"] > 0 for kind in writes.values())
+    assert written["writes"]["merge_to_append_cpu"] > 0
 
     assert [t["what"] for t in written["targets"]] == [t["what"] for t in report["targets"]]

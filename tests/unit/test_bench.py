@@ -265,6 +265,16 @@ def _report() -> dict:
                 {"name": "anomalies", "rows": None, "seconds": 0.0, "rows_per_s": 0.0, "skipped": True},
             ],
         },
+        "writes": {
+            "devices": 500,
+            "rounds": 20,
+            "warmup": 10,
+            "kinds": {
+                "append": {"cpu_s": 0.16, "wall_s": 0.15, "rows": 15_000, "devices": 500, "last_round": 29},
+                "merge": {"cpu_s": 1.28, "wall_s": 0.9, "rows": 500, "devices": 500, "last_round": 29},
+            },
+            "merge_to_append_cpu": 8.0,
+        },
         "steady": {
             "mode": "concurrent",
             "rate": 500.0,
@@ -328,6 +338,9 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
     for needle in (
         "stream CPU while publishing: 0.70 cores (7 s in 10 s; 5 batches, 1.40 s of CPU each, records included)",
         "where the cores went: Spark tasks 0.40, JIT compiler 0.20, Python driver 0.10",
+        "Delta writes of 500 rows, one kind after the other (20 each timed after 10)",
+        "  merge                     1.28 s CPU     0.90 s wall",
+        "a MERGE costs 8.0 x an append's CPU",
         "in batches",
         "classes generated and compiled meanwhile: 40, 8.0 per batch",
         "a batch's phases, mean seconds",
@@ -355,6 +368,8 @@ def test_options_are_validated() -> None:
         BenchOptions(skip=frozenset({"everything"})).validate()
     with pytest.raises(ValueError, match="--steady-rate"):
         BenchOptions(skip=frozenset({"drain"})).validate()
+    with pytest.raises(ValueError, match="positive"):
+        BenchOptions(write_rounds=0).validate()
     BenchOptions(skip=frozenset({"drain"}), steady_rate=100.0).validate()
 
 
@@ -362,7 +377,7 @@ def test_bench_flags_parse() -> None:
     args = build_parser().parse_args(
         ["bench", "--scale", "1000,10_000", "--train-sizes", "5000", "--skip", "steady", "--skip", "training"]
     )
-    assert args.scale == (1000, 10_000) and args.train_sizes == (5000,)
+    assert args.scale == (1000, 10_000) and args.train_sizes == (5000,) and args.write_rounds == 20
     assert args.skip == ["steady", "training"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--scale", "lots"])
