@@ -15,7 +15,6 @@ MERGE-per-batch sink costs against an append-only one, whatever the host's speed
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from pyspark.sql.types import DoubleType, LongType, StringType, StructField, Str
 
 from bench.stats import ratio
 from bench.system import process_tree_cpu_seconds
+from bench.throughput import Log
 from iotmon.lake import BatchLedger, append_once, create_table, ledger_for, merge_once
 
 APPEND = "append"
@@ -33,8 +33,6 @@ WRITE_KINDS: tuple[str, ...] = (APPEND, MERGE)
 WRITES_SCHEMA = StructType(
     [StructField("device_id", StringType()), StructField("round", LongType()), StructField("value", DoubleType())]
 )
-
-Log = Callable[[str], None]
 
 
 def round_rows(spark: SparkSession, devices: int, round_id: int) -> DataFrame:
