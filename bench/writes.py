@@ -52,7 +52,7 @@ def _write(kind: str, frame: DataFrame, path: str, ledger: BatchLedger, round_id
 def write_costs(
     spark: SparkSession, root: Path, jvm_pid: int, devices: int, rounds: int, warmup: int, log: Log
 ) -> dict[str, Any]:
-    """``warmup`` then ``rounds`` writes of each kind, alternating, each into its own new table under ``root``;
+    """``warmup`` then ``rounds`` writes of each kind, alternating, each kind into its own table under ``root``;
     mean CPU and wall seconds per measured write, and what each table holds at the end."""
     paths = {kind: str(root / kind) for kind in WRITE_KINDS}
     ledgers = {kind: ledger_for(f"iotmon-bench-writes-{kind}-{time.time_ns()}") for kind in WRITE_KINDS}
