@@ -26,12 +26,13 @@ from bench.stats import ratio
 from bench.system import process_tree_cpu_seconds
 from bench.throughput import Log
 from iotmon.lake import BatchLedger, append_once, create_table, ledger_for, merge_once
+from iotmon.schema import DEVICE_ID
 
 APPEND = "append"
 MERGE = "merge"
 WRITE_KINDS: tuple[str, ...] = (APPEND, MERGE)
 WRITES_SCHEMA = StructType(
-    [StructField("device_id", StringType()), StructField("round", LongType()), StructField("value", DoubleType())]
+    [StructField(DEVICE_ID, StringType()), StructField("round", LongType()), StructField("value", DoubleType())]
 )
 
 
@@ -45,7 +46,7 @@ def _write(kind: str, frame: DataFrame, path: str, ledger: BatchLedger, round_id
     if kind == APPEND:
         append_once(frame, path, ledger, round_id)
     else:
-        same_device = F.col("t.device_id") == F.col("s.device_id")
+        same_device = F.col(f"t.{DEVICE_ID}") == F.col(f"s.{DEVICE_ID}")
         merge_once(frame, path, same_device, ledger, round_id, update=True)
 
 
@@ -68,8 +69,8 @@ def write_costs(
                 measured[kind].append((process_tree_cpu_seconds(jvm_pid) - cpu, time.monotonic() - wall))
     kinds: dict[str, dict[str, Any]] = {}
     for kind in WRITE_KINDS:
-        held = spark.read.format("delta").load(paths[kind])
-        last = held.agg(F.count(F.lit(1)), F.max("round"), F.countDistinct("device_id")).first()
+        written = spark.read.format("delta").load(paths[kind])
+        last = written.agg(F.count(F.lit(1)), F.max("round"), F.countDistinct(DEVICE_ID)).first()
         assert last is not None
         kinds[kind] = {
             "cpu_s": round(sum(cpu for cpu, _ in measured[kind]) / rounds, 3),
