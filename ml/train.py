@@ -480,15 +480,30 @@ class PeriodicTrainer:
     def start(self, stop: threading.Event, cancel: Callable[[], None]) -> threading.Thread:
         """``run`` on a thread of its own (returned) until ``stop``; at the stop, ``cancel`` (the run's Spark jobs)
         is called until the run gives up. Once is not enough: a run computing features in Python, or starting
-        its session, meanwhile starts its next job after the cancel, and would otherwise finish (and promote)."""
-        thread = threading.Thread(target=self.run, args=(stop,), name="iotmon-trainer", daemon=True)
+        its session, meanwhile starts its next job after the cancel, and would otherwise finish (and promote).
+
+        Once the returned thread has ended, ``cancel`` is neither running nor called again, so the caller may
+        then stop the session it cancels jobs in: the thread retires its canceller before it ends."""
+        finished = threading.Event()
 
         def cancel_at_stop() -> None:
-            stop.wait()
-            while thread.is_alive():
+            while not stop.wait(CANCEL_EVERY_SECONDS):
+                if finished.is_set():  # the run ended without a stop (it raised): nothing to cancel, ever
+                    return
+            while not finished.is_set():
                 cancel()
-                thread.join(CANCEL_EVERY_SECONDS)
+                finished.wait(CANCEL_EVERY_SECONDS)
 
+        canceller = threading.Thread(target=cancel_at_stop, name="iotmon-trainer-stop", daemon=True)
+
+        def run_then_retire_the_canceller() -> None:
+            try:
+                self.run(stop)
+            finally:
+                finished.set()
+                canceller.join()
+
+        thread = threading.Thread(target=run_then_retire_the_canceller, name="iotmon-trainer", daemon=True)
+        canceller.start()
         thread.start()
-        threading.Thread(target=cancel_at_stop, name="iotmon-trainer-stop", daemon=True).start()
         return thread

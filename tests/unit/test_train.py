@@ -170,6 +170,57 @@ def test_a_stop_cancels_the_runs_jobs_until_the_run_gives_up(tmp_path, monkeypat
     assert "iotmon train: stopped; the run in progress was abandoned, champion unchanged" in out.getvalue()
 
 
+def test_once_the_trainers_thread_has_ended_no_cancel_runs_or_follows(tmp_path, monkeypatch) -> None:
+    """`iotmon train --every` stops its Spark session as soon as the trainer's thread has ended: a cancel still
+    running then, or called after, fails on a stopped SparkContext (a chaos run's trainer log showed the
+    traceback). Here the run ends while a cancel is in progress: the thread must outlast that cancel, and no
+    thread it started may be left to call another."""
+    import io
+    import threading
+
+    from iotmon.config import Settings
+    from ml import train as train_module
+
+    cancelled, run_returned = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def cancel() -> None:
+        calls.append("cancel")
+        cancelled.set()
+        assert run_returned.wait(60)  # the run gives up and returns while this cancel is still going on
+        calls.append("returned")
+
+    def a_run(*_: object, **__: object) -> None:
+        assert cancelled.wait(60)
+        raise RuntimeError("Job cancelled")
+
+    monkeypatch.setattr(train_module, "reason_to_wait", lambda *_: None)  # enough data
+    monkeypatch.setattr(train_module, "train", a_run)
+    out, stop = io.StringIO(), threading.Event()
+    trainer = train_module.PeriodicTrainer(
+        Settings.from_env({}, home=tmp_path), lambda: None, train_module.TrainOptions, every_s=300.0, out=out
+    )
+    run = trainer.run
+
+    def run_and_say_so(stop: threading.Event) -> None:
+        try:
+            run(stop)
+        finally:
+            run_returned.set()
+
+    monkeypatch.setattr(trainer, "run", run_and_say_so)
+    before = set(threading.enumerate())
+    thread = trainer.start(stop, cancel)
+    started = set(threading.enumerate()) - before
+    stop.set()
+    thread.join(120)
+    assert not thread.is_alive()
+    assert calls and calls[-1] == "returned", calls  # no cancel still in progress
+    assert not [t.name for t in started if t.is_alive()]  # nor a canceller left to call again
+    assert calls == ["cancel", "returned"], calls
+    assert "the run in progress was abandoned" in out.getvalue()
+
+
 def test_a_stopped_run_goes_no_further_than_the_step_it_is_in() -> None:
     """The step boundaries are where a stopped run gives up, whether or not a Spark job was there to cancel."""
     import io
