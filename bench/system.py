@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from iotmon.class_archive import java_home
+from iotmon.jars import java_home
 from iotmon.processes import process_tree, stat_fields
 
 SAMPLE_EVERY_S = 0.5

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,20 +23,13 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from iotmon import local_fs
 from iotmon.config import Settings
-from iotmon.jars import pyspark_jars_dir
+from iotmon.jars import java_home, pyspark_jars_dir
 
 ARCHIVE_OPTIONS = ("-XX:SharedArchiveFile", "-XX:ArchiveClassesAtExit", "-Xshare")
 """Flags an operator may set in ``IOTMON_SPARK_DRIVER_JAVA_OPTIONS`` to manage class sharing themselves."""
 BUILD_TIMEOUT_S = 900.0
-
-
-def java_home() -> Path | None:
-    """The JDK Spark starts: ``JAVA_HOME``'s, else the one of ``java`` on the PATH (as ``spark-class`` does)."""
-    if home := os.environ.get("JAVA_HOME"):
-        return Path(home)
-    java = shutil.which("java")
-    return Path(java).resolve().parent.parent if java else None
 
 
 def archive_path(settings: Settings) -> Path | None:
@@ -48,7 +39,8 @@ def archive_path(settings: Settings) -> Path | None:
         return None
     release = home / "release"
     jdk = release.read_text() if release.exists() else str(home.resolve())
-    jars = sorted(jar.name for jar in pyspark_jars_dir().glob("*.jar"))
+    # The local file system's jar goes first on the class path (``iotmon.local_fs``), so it is part of the match.
+    jars = [*local_fs.class_path(settings), *sorted(jar.name for jar in pyspark_jars_dir().glob("*.jar"))]
     digest = hashlib.sha256("\n".join([jdk, *jars]).encode()).hexdigest()[:12]
     return settings.cache / "jvm" / f"spark-classes-{digest}.jsa"
 

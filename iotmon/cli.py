@@ -464,14 +464,15 @@ def cmd_mlflow(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_setup(settings: Settings, args: argparse.Namespace) -> int:
-    """Resolve every jar now, so later starts (broker, Spark) work offline; build the JVM's class archive,
-    so that they start sooner."""
-    from iotmon import class_archive
+    """Resolve every jar now, so later starts (broker, Spark) work offline; compile the local file system without
+    child processes, and build the JVM's class archive, so that they start sooner."""
+    from iotmon import class_archive, local_fs
     from iotmon.jars import bundle_dir, kafka_broker_bundle, resolve, spark_extras_bundle
 
     for bundle in (kafka_broker_bundle(), spark_extras_bundle()):
         jars = resolve(settings, bundle)
         print(f"{bundle.name}: {len(jars)} jars in {bundle_dir(settings, bundle)}")
+    local_fs.set_up(settings)  # before the archive: its jar is on the class path the archive is built for
     class_archive.set_up(settings)
     return 0
 

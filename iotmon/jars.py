@@ -9,6 +9,7 @@ pin resolves afresh.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -61,6 +62,14 @@ def kafka_broker_bundle() -> Bundle:
             Dependency("org.slf4j:slf4j-api:2.0.17"),
         ),
     )
+
+
+def java_home() -> Path | None:
+    """The JDK Spark starts: ``JAVA_HOME``'s, else the one of ``java`` on the PATH (as ``spark-class`` does)."""
+    if home := os.environ.get("JAVA_HOME"):
+        return Path(home)
+    java = shutil.which("java")
+    return Path(java).resolve().parent.parent if java else None
 
 
 def pyspark_jars_dir() -> Path:

@@ -13,7 +13,7 @@ from xml.sax.saxutils import escape
 
 from pyspark.sql import SparkSession
 
-from iotmon import class_archive, logs
+from iotmon import class_archive, local_fs, logs
 from iotmon.config import Settings
 from iotmon.jars import resolve, spark_extras_bundle
 from iotmon.preflight import local_directory
@@ -132,6 +132,8 @@ def spark_session(
         # Not optimizeWrite/autoCompact: measured to cost 3-4x the whole bronze batch here (an extra
         # shuffle and a compaction job per commit); compaction belongs in a maintenance job instead.
     )
+    for key, value in local_fs.spark_options(settings).items():
+        builder = builder.config(key, value)
     if file_manager := checkpoint_file_manager(settings):
         builder = builder.config("spark.sql.streaming.checkpointFileManagerClass", file_manager)
     if pool_weights:
