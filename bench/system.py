@@ -171,6 +171,14 @@ def thread_role(name: str) -> str:
     return next((role for role, prefixes in THREAD_ROLES if name.startswith(prefixes)), OTHER_THREADS)
 
 
+def reaped_cpu_seconds(pid: int) -> float:
+    """utime + stime of the process and of the children it has reaped (0 once it is gone). Unlike the tree's
+    sum it never falls: a descendant that ends under a parent outside the tree (a Python worker its daemon
+    leaves) takes its CPU out of the tree, which measured one Delta write at -1.83 s."""
+    fields = stat_fields(pid)
+    return parse_stat_cpu_ticks(fields) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
 def own_cpu_seconds(pid: int) -> float:
     """utime + stime of the process itself, without its children (0 once it is gone)."""
     fields = stat_fields(pid)

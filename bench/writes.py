@@ -4,7 +4,8 @@ The stream writes its tables two ways: it appends (bronze, quarantine, silver, t
 and it MERGEs by key (live windows, device status and alerts keep one row per window, device or incident).
 Each kind is timed here through the project's own exactly-once writers (``iotmon.lake.append_once``,
 ``merge_once``), alone and one after the other, on a table of one row per device (the MERGE targets' size):
-the CPU of the Spark JVM and everything under it (``/proc``) and the wall time per write, after a warm-up.
+the CPU of the Spark JVM and the commands it ran and reaped (``/proc``; a Delta write runs no Python worker) and
+the wall time per write, after a warm-up.
 
 A MERGE has to know the files of its target, and delta-spark 4.4 finds them by rebuilding the table's snapshot
 state: a log replay in Spark jobs whose tasks generate code for Delta's wide action schema (docs/cost-model.md,
@@ -23,7 +24,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
 
 from bench.stats import ratio
-from bench.system import process_tree_cpu_seconds
+from bench.system import reaped_cpu_seconds
 from bench.throughput import Log
 from iotmon.lake import BatchLedger, append_once, create_table, ledger_for, merge_once
 from iotmon.schema import DEVICE_ID
@@ -63,10 +64,10 @@ def write_costs(
     for round_id in range(warmup + rounds):
         for kind in WRITE_KINDS:
             frame = round_rows(spark, devices, round_id)
-            cpu, wall = process_tree_cpu_seconds(jvm_pid), time.monotonic()
+            cpu, wall = reaped_cpu_seconds(jvm_pid), time.monotonic()
             _write(kind, frame, paths[kind], ledgers[kind], round_id)
             if round_id >= warmup:
-                measured[kind].append((process_tree_cpu_seconds(jvm_pid) - cpu, time.monotonic() - wall))
+                measured[kind].append((reaped_cpu_seconds(jvm_pid) - cpu, time.monotonic() - wall))
     kinds: dict[str, dict[str, Any]] = {}
     for kind in WRITE_KINDS:
         written = spark.read.format("delta").load(paths[kind])

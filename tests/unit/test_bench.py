@@ -34,6 +34,7 @@ from bench.system import (
     parse_stat_cpu_ticks,
     parse_status_rss,
     process_tree_cpu_seconds,
+    reaped_cpu_seconds,
     thread_role,
 )
 from bench.throughput import behind
@@ -114,9 +115,10 @@ def test_cpu_is_counted_for_a_process_and_the_children_it_reaped() -> None:
     # /proc/<pid>/stat after "(comm)": state ppid ... utime(11) stime(12) cutime(13) cstime(14) ...
     fields = ["S", "1", "1", "1", "0", "-1", "4194560", "100", "0", "0", "0", "700", "50", "30", "20", "20", "0", "1"]
     assert parse_stat_cpu_ticks(fields) == 800
-    before = process_tree_cpu_seconds(os.getpid())
+    before, reaped_before = process_tree_cpu_seconds(os.getpid()), reaped_cpu_seconds(os.getpid())
     child = subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
     assert child.returncode == 0 and process_tree_cpu_seconds(os.getpid()) > before  # the reaped child counts
+    assert reaped_cpu_seconds(os.getpid()) - reaped_before >= 0.05  # in the process's own figure too
     meter = CpuMeter(os.getpid()).start()
     sum(i * i for i in range(2_000_000))
     used = meter.stop()
