@@ -126,14 +126,27 @@ def test_a_failed_run_has_ended_too(tmp_path, monkeypatch) -> None:
     assert "run failed, champion unchanged: no cores left" in err.getvalue()
 
 
-def test_a_stop_cancels_the_runs_jobs_until_the_run_gives_up(tmp_path, monkeypatch) -> None:
-    """A stop that lands while the run computes in Python finds no job to cancel; the job it starts next is
-    cancelled too, so the run is given up rather than finished (and promoted)."""
+def _trainer_with_run(a_run, tmp_path, monkeypatch):
+    """A periodic trainer with data enough whose every run is ``a_run``; its output and its stop event."""
     import io
     import threading
 
     from iotmon.config import Settings
     from ml import train as train_module
+
+    monkeypatch.setattr(train_module, "reason_to_wait", lambda *_: None)  # enough data
+    monkeypatch.setattr(train_module, "train", a_run)
+    out, stop = io.StringIO(), threading.Event()
+    trainer = train_module.PeriodicTrainer(
+        Settings.from_env({}, home=tmp_path), lambda: None, train_module.TrainOptions, every_s=300.0, out=out
+    )
+    return trainer, out, stop
+
+
+def test_a_stop_cancels_the_runs_jobs_until_the_run_gives_up(tmp_path, monkeypatch) -> None:
+    """A stop that lands while the run computes in Python finds no job to cancel; the job it starts next is
+    cancelled too, so the run is given up rather than finished (and promoted)."""
+    import threading
 
     started, cancelled = threading.Event(), threading.Event()
     jobs: list[threading.Event] = []
@@ -154,12 +167,7 @@ def test_a_stop_cancels_the_runs_jobs_until_the_run_gives_up(tmp_path, monkeypat
         ran_to_its_end.append(not job.wait(60))  # the next Spark job: a cancel ends it
         raise RuntimeError("Job cancelled")
 
-    monkeypatch.setattr(train_module, "reason_to_wait", lambda *_: None)  # enough data
-    monkeypatch.setattr(train_module, "train", a_run)
-    out, stop = io.StringIO(), threading.Event()
-    trainer = train_module.PeriodicTrainer(
-        Settings.from_env({}, home=tmp_path), lambda: None, train_module.TrainOptions, every_s=300.0, out=out
-    )
+    trainer, out, stop = _trainer_with_run(a_run, tmp_path, monkeypatch)
     thread = trainer.start(stop, cancel)
     assert started.wait(60)
     stop.set()
@@ -175,11 +183,7 @@ def test_once_the_trainers_thread_has_ended_no_cancel_runs_or_follows(tmp_path, 
     running then, or called after, fails on a stopped SparkContext (a chaos run's trainer log showed the
     traceback). Here the run ends while a cancel is in progress: the thread must outlast that cancel, and no
     thread it started may be left to call another."""
-    import io
     import threading
-
-    from iotmon.config import Settings
-    from ml import train as train_module
 
     cancelled, run_returned = threading.Event(), threading.Event()
     calls: list[str] = []
@@ -194,12 +198,7 @@ def test_once_the_trainers_thread_has_ended_no_cancel_runs_or_follows(tmp_path, 
         assert cancelled.wait(60)
         raise RuntimeError("Job cancelled")
 
-    monkeypatch.setattr(train_module, "reason_to_wait", lambda *_: None)  # enough data
-    monkeypatch.setattr(train_module, "train", a_run)
-    out, stop = io.StringIO(), threading.Event()
-    trainer = train_module.PeriodicTrainer(
-        Settings.from_env({}, home=tmp_path), lambda: None, train_module.TrainOptions, every_s=300.0, out=out
-    )
+    trainer, out, stop = _trainer_with_run(a_run, tmp_path, monkeypatch)
     run = trainer.run
 
     def run_and_say_so(stop: threading.Event) -> None:
