@@ -14,7 +14,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from iotmon.config import ConfigError, Settings
@@ -189,15 +189,30 @@ def partition_offsets(
         topic = metadata.topics.get(settings.topic)
         if topic is None or topic.error is not None:
             return {}
-        result = {}
-        for partition in sorted(topic.partitions):
-            low, high = consumer.get_watermark_offsets(
-                TopicPartition(settings.topic, partition), timeout=timeout, cached=False
-            )
-            result[partition] = (low, high)
-        return result
+        deadline = time.monotonic() + timeout
+        return {
+            partition: _watermarks(consumer, settings.topic, partition, deadline)
+            for partition in sorted(topic.partitions)
+        }
     except KafkaException as exc:
         raise _unavailable(settings, exc) from None
+
+
+LEADERLESS = (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE)
+"""What a broker answers for a partition whose leadership it has not taken up yet, as just after it (re)started."""
+LEADER_WAIT_S = 0.2
+
+
+def _watermarks(consumer: Consumer, topic: str, partition: int, deadline: float) -> tuple[int, int]:
+    """A partition's low and high watermark, asked again while its leader is being elected (until ``deadline``)."""
+    while True:
+        try:
+            timeout = max(0.1, deadline - time.monotonic())
+            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout, cached=False)
+        except KafkaException as exc:
+            if exc.args[0].code() not in LEADERLESS or time.monotonic() + LEADER_WAIT_S > deadline:
+                raise
+            time.sleep(LEADER_WAIT_S)
 
 
 def newest_event_time(settings: Settings, per_partition: int = 20, timeout: float = 10.0) -> datetime | None:
