@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
+import random
 import socket
 import uuid
 from pathlib import Path
@@ -13,10 +16,40 @@ from iotmon.config import Settings
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
+PORT_BLOCK = 1_000
+FIRST_PORT = 20_000
+"""Ports for the servers tests start come from below Linux's ephemeral range (32768-60999 by default), one
+block of ``PORT_BLOCK`` per pytest-xdist worker."""
+
+
+def _worker_ports() -> itertools.cycle[int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # "gw0", "gw1", ...; gw0 outside xdist too
+    first = FIRST_PORT + int(worker.removeprefix("gw") or 0) * PORT_BLOCK
+    ports = list(range(first, first + PORT_BLOCK))
+    start = random.randrange(PORT_BLOCK)  # two runs at once on one machine rarely start on the same port
+    return itertools.cycle(ports[start:] + ports[:start])
+
+
+_ports = _worker_ports()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port no one listens on now, for a server a test is about to start.
+
+    Not one the kernel picks (``bind(0)``): those come from the ephemeral range, which every client
+    connection's local port comes from too, so between the pick and the server's start another process (the
+    other worker's broker or Spark) could take it; that happened, and a session broker failed to start. A
+    worker's own block, each port handed out once per cycle, and none of the range the kernel hands out.
+    """
+    for _ in range(PORT_BLOCK):
+        port = next(_ports)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in this worker's block ({PORT_BLOCK} ports from {FIRST_PORT})")
 
 
 def with_own_broker(settings: Settings, home: Path, **overrides: Any) -> Settings:
