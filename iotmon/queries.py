@@ -194,27 +194,66 @@ def run_until_idle(
     specs: Sequence[QuerySpec],
     out: TextIO = sys.stderr,
     report_every: float = 10.0,
+    upstream: Callable[[str], Collection[str]] | None = None,
 ) -> dict[str, int]:
-    """Run each query with the available-now trigger, in order, so each sees all its upstream wrote."""
+    """Run each query with the available-now trigger once the queries it reads from have finished, so each
+    sees all its upstream wrote; the rows each read.
+
+    ``specs`` come upstream first. By default each query waits for every one before it: one at a time, in
+    order. With ``upstream`` (the queries that write what a query reads, by name), every query whose upstream
+    has finished runs at once, beside the others, each in its own pool: queries that read the same table
+    share the cores instead of queueing, and a cold JVM's single-threaded work (planning, compiling) of one
+    overlaps another's tasks. A query that fails is raised once the others have ended; what reads it does
+    not start."""
+    names = [spec.name for spec in specs]
+    finished = {name: threading.Event() for name in names}
     rows: dict[str, int] = {}
-    for spec in specs:
-        waiting = spec.waiting_for(spark, settings)
-        if waiting is not None:
-            print(f"{spec.name:<12} skipped: {waiting}", file=out, flush=True)
-            continue
-        started = time.monotonic()
-        query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
-        show = partial(ProgressReport().show, {spec.name: query}, {spec.name: spec.source_reads}, out)
+    failures: list[BaseException] = []
+
+    def waits_for(position: int, name: str) -> list[str]:
+        return names[:position] if upstream is None else [n for n in upstream(name) if n in finished]
+
+    def drain(position: int, spec: QuerySpec) -> None:
         try:
-            batches = await_batches(query, report_every, show)
-        except StreamingQueryException as exc:
-            raise QueryFailed(f"query {spec.name} failed: {settings.redact(explain(exc))}") from exc
-        rows[spec.name] = sum(p["numInputRows"] for p in batches) // spec.source_reads
-        print(
-            f"{spec.name:<12} drained {rows[spec.name]:,} rows in {time.monotonic() - started:.1f}s",
-            file=out,
-            flush=True,
-        )
+            for name in waits_for(position, spec.name):
+                finished[name].wait()
+            if not failures and (read := _drain_one(spark, settings, spec, out, report_every)) is not None:
+                rows[spec.name] = read
+        except BaseException as exc:  # raised by the caller's thread, below
+            failures.append(exc)
+        finally:
+            finished[spec.name].set()
+
+    threads = [
+        threading.Thread(target=drain, args=(position, spec), name=f"iotmon-drain-{spec.name}", daemon=True)
+        for position, spec in enumerate(specs)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return {name: rows[name] for name in names if name in rows}
+
+
+def _drain_one(
+    spark: SparkSession, settings: Settings, spec: QuerySpec, out: TextIO, report_every: float
+) -> int | None:
+    """Run one query with the available-now trigger until it ends; the rows it read, None if it cannot run."""
+    waiting = spec.waiting_for(spark, settings)
+    if waiting is not None:
+        print(f"{spec.name:<12} skipped: {waiting}", file=out, flush=True)
+        return None
+    started = time.monotonic()
+    query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
+    show = partial(ProgressReport().show, {spec.name: query}, {spec.name: spec.source_reads}, out)
+    try:
+        batches = await_batches(query, report_every, show)
+    except StreamingQueryException as exc:
+        raise QueryFailed(f"query {spec.name} failed: {settings.redact(explain(exc))}") from exc
+    rows = sum(p["numInputRows"] for p in batches) // spec.source_reads
+    print(f"{spec.name:<12} drained {rows:,} rows in {time.monotonic() - started:.1f}s", file=out, flush=True)
     return rows
 
 

@@ -64,7 +64,7 @@ def run_stream(
     ensure_tables(spark, settings)
     with install_progress_recorder(spark, settings, source_reads=source_reads()):
         if stop is None:
-            run_until_idle(spark, settings, queries())
+            run_until_idle(spark, settings, queries(), upstream=upstream_of)
             return
         EventClock(spark, settings, stop).start()
         print(

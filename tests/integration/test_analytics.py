@@ -33,7 +33,7 @@ from iotmon.schema import (
 )
 from pipeline.backfill import backfill
 from pipeline.stream import run_stream
-from pipeline.topology import ensure_tables, queries
+from pipeline.topology import ensure_tables, queries, upstream_of
 from pipeline.verify import reconcile_lake
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
@@ -73,7 +73,7 @@ def _simulate(
 
 def _drain(spark: SparkSession, settings: Settings) -> dict[str, int]:
     ensure_tables(spark, settings)
-    return run_until_idle(spark, settings, queries())
+    return run_until_idle(spark, settings, queries(), upstream=upstream_of)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from iotmon.config import Settings
 from iotmon.kafka import ensure_topic, make_producer
 from iotmon.queries import run_until_idle
 from iotmon.schema import BRONZE, DEVICES, DEVICES_SCHEMA, INGEST, QUARANTINE, SILVER
-from pipeline.topology import ensure_tables, queries
+from pipeline.topology import ensure_tables, queries, upstream_of
 from tests.bad_input import ANY_REASON, Record, acceptable_reading, draw_records, reason_codes, records
 
 pytestmark = pytest.mark.integration
@@ -79,7 +79,8 @@ def test_bad_records_are_quarantined_with_their_reason_and_good_ones_reach_silve
     _register(spark, isolated, {reading["device_id"] for reading in good})
     placed = _publish(isolated, batch, kafka_ts)
 
-    drained = run_until_idle(spark, isolated, queries([SILVER, QUARANTINE]))  # raises if a query failed
+    # Raises if a query failed.
+    drained = run_until_idle(spark, isolated, queries([SILVER, QUARANTINE]), upstream=upstream_of)
     assert drained[INGEST] == len(batch)
 
     bronze = {

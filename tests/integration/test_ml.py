@@ -21,7 +21,7 @@ from ml.features import FEATURE_VERSION, FeatureSpec
 from ml.model import ModelParams
 from ml.train import TrainingError, TrainOptions, archive_extent, past_to_publish_s, span_to_train_s, train
 from pipeline.stream import TRAINING_JOB_GROUP, start_trainer
-from pipeline.topology import ensure_tables, queries
+from pipeline.topology import ensure_tables, queries, upstream_of
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from streaming import scoring
@@ -45,7 +45,7 @@ def _simulate(settings: Settings, truth: Path, start: dt.datetime, duration: flo
 
 def _archive_to_silver(spark: SparkSession, settings: Settings) -> None:
     ensure_tables(spark, settings)
-    run_until_idle(spark, settings, queries([SILVER]))
+    run_until_idle(spark, settings, queries([SILVER]), upstream=upstream_of)
 
 
 def _keys(spark: SparkSession, settings: Settings, table: str):

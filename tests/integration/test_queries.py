@@ -296,6 +296,72 @@ def test_a_drain_counts_every_batch_it_read(spark: SparkSession, base_settings: 
     assert re.search(r"batch\s+2\s+rows", out.getvalue()), out.getvalue()  # more batches than reports kept
 
 
+def _copy_spec(tmp_path: Path, name: str, source: str, during: Callable[[], Any] = lambda: None) -> QuerySpec:
+    """A query appending what the Delta table at ``source`` gets to a table of its own, ``tmp_path / name``;
+    ``during()`` runs in each of its batches."""
+
+    def write(batch: DataFrame, _: int) -> None:
+        during()
+        batch.write.format("delta").mode("append").save(str(tmp_path / name))
+
+    return _spec(name, lambda spark: spark.readStream.format("delta").load(source), write, str(tmp_path / f"{name}.ck"))
+
+
+def test_a_drain_runs_a_query_once_its_upstream_has_finished_and_siblings_at_once(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    source = str(tmp_path / "source")
+    spark.range(10).write.format("delta").save(source)
+    # Both readers of `up` wait for each other inside their batch: only together do they get past it.
+    together = threading.Barrier(2, timeout=120)
+    up = _copy_spec(tmp_path, "up", source)
+    left = _copy_spec(tmp_path, "left", str(tmp_path / "up"), during=together.wait)
+    right = _copy_spec(tmp_path, "right", str(tmp_path / "up"), during=together.wait)
+    last = _copy_spec(tmp_path, "last", str(tmp_path / "left"))
+    upstream = {"up": (), "left": ("up",), "right": ("up",), "last": ("up", "left")}
+
+    out = io.StringIO()
+    drained = run_until_idle(spark, base_settings, [up, left, right, last], out, upstream=upstream.__getitem__)
+    # Each read everything its upstream wrote, so it started once that had ended; left and right met.
+    assert drained == {"up": 10, "left": 10, "right": 10, "last": 10}, out.getvalue()
+
+
+def test_a_drain_raises_a_failed_query_once_the_others_ended_and_skips_what_reads_it(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    source = str(tmp_path / "source")
+    spark.range(10).write.format("delta").save(source)
+
+    def fail() -> None:
+        raise RuntimeError("injected failure")
+
+    broken = _copy_spec(tmp_path, "broken", source, during=fail)
+    beside = _copy_spec(tmp_path, "beside", source)
+    after = _copy_spec(tmp_path, "after", str(tmp_path / "broken"))
+    upstream = {"broken": (), "beside": (), "after": ("broken",)}
+
+    out = io.StringIO()
+    with pytest.raises(QueryFailed, match="query broken failed"):
+        run_until_idle(spark, base_settings, [broken, beside, after], out, upstream=upstream.__getitem__)
+    assert "beside       drained 10 rows" in out.getvalue()
+    assert "after" not in out.getvalue() and not (tmp_path / "after.ck").exists()
+
+
+def test_a_drain_without_upstream_runs_the_queries_one_after_the_other(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    source = str(tmp_path / "source")
+    spark.range(10).write.format("delta").save(source)
+    running: list[set[str]] = []
+
+    def note_running() -> None:
+        running.append({query.name for query in spark.streams.active})
+
+    specs = [_copy_spec(tmp_path, name, source, during=note_running) for name in ("first", "second")]
+    assert run_until_idle(spark, base_settings, specs, io.StringIO()) == {"first": 10, "second": 10}
+    assert running == [{"first"}, {"second"}]
+
+
 def test_each_query_runs_its_jobs_in_a_fair_scheduler_pool_of_its_own(
     spark: SparkSession, base_settings: Settings, tmp_path: Path
 ) -> None:
