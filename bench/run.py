@@ -6,7 +6,8 @@ user's lake is never touched, and all sharing one Spark session and the bench's 
 1. model: a small archive through bronze and silver, a model trained on it and made champion, so that
    scoring runs in every pipeline phase;
 2. ceilings: a backlog published to the drain topic, then read by a plain consumer and by Spark into noop;
-3. drain: the whole pipeline over that same backlog, query by query (available-now);
+3. drain: the whole pipeline over that same backlog, query by query (available-now), then again over a lake of
+   its own by the topology, as ``iotmon stream --until-idle`` drains;
 4. writes: one Delta append and one MERGE of a row per device, timed alone (what a sink of each kind costs);
 5. steady: a real-time fleet at a fraction of the drain's rate, latency percentiles read from the Delta logs;
 6. scale: a backlog per fleet size drained by every query at once, state and memory per size;
@@ -31,6 +32,7 @@ from bench.system import MemorySampler, directory_bytes, machine_info
 from bench.throughput import (
     consumer_ceiling,
     drain,
+    drain_by_topology,
     drain_concurrently,
     phase_settings,
     preload,
@@ -40,6 +42,7 @@ from bench.training import champion_model, training_cost
 from bench.writes import write_costs
 from iotmon.config import Settings
 from simulators.options import SimulationOptions
+from simulators.publish import write_device_registry
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,15 @@ def _phases(
             ceiling = report["ceilings"]["spark_noop"]["events_per_s"] if options.runs("ceilings") else None
             drained["ceiling_share"] = ratio(drained["events_per_s"], ceiling)
             drained["memory"] = memory.peaks("drain")
+            log("drain: again over a lake of its own, by the topology, as `iotmon stream --until-idle` drains")
+            by_topology = replace(
+                drain_settings,
+                lake=str((out / "drain-by-topology" / "lake").absolute()),
+                checkpoints=str((out / "drain-by-topology" / "checkpoints").absolute()),
+            )
+            write_device_registry(by_topology, options.devices, options.seed)  # as the preload wrote the first's
+            drained["by_topology"] = drain_by_topology(spark, by_topology, published["records"], log)
+            drained["by_topology"]["ceiling_share"] = ratio(drained["by_topology"]["events_per_s"], ceiling)
             report["drain"] = drained
         if options.runs("writes"):
             log(f"writes: a Delta append and a MERGE of {options.devices:,} rows, {options.write_rounds} of each timed")

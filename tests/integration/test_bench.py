@@ -55,6 +55,10 @@ def test_bench_measures_ceilings_and_the_whole_pipeline_and_reports_them(
     assert rows["anomalies"] > 0.9 * EVENTS
     assert drain["events_per_s"] > 0 and drain["ceiling_share"] > 0
     assert drain["memory"]["jvm_rss_bytes"] > 100 * 1024**2
+    # Again by the topology, as `iotmon stream --until-idle` drains, over a lake of its own: every query read as
+    # much as it did in turn.
+    by_topology = drain["by_topology"]
+    assert by_topology["rows"] == rows and by_topology["ceiling_share"] > 0
 
     # Three appends of the fleet keep every row; three MERGEs of the same keys leave one row per device, the last.
     writes = written["writes"]["kinds"]
