@@ -114,7 +114,7 @@ def render(report: Mapping[str, Any]) -> str:
         for q in drain["queries"]:
             state = "skipped (not ready)" if q["skipped"] else f"{_num(q['rows_per_s']):>10} rows/s"
             lines.append(f"  {q['name']:<22}{_num(q['rows']):>12} rows {q['seconds']:>8.1f}s {state}")
-        for name, path in (("whole path, in turn", drain), ("whole path, by topology", drain["by_topology"])):
+        for name, path in (("whole path in turn", drain), ("whole path by topology", drain["by_topology"])):
             lines.append(
                 f"  {name:<22}{_num(path['events']):>12} evts {path['seconds']:>8.1f}s "
                 f"{_num(path['events_per_s']):>10} events/s = {_num(path.get('ceiling_share'), 3)} x Spark's ceiling"
@@ -232,8 +232,8 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
         bars += [("consumer", c["consumer"]["events_per_s"]), ("Spark noop", c["spark_noop"]["events_per_s"])]
     if _ran(report["drain"]):
         bars += [(q["name"], q["rows_per_s"]) for q in report["drain"]["queries"] if not q["skipped"]]
-        bars.append(("whole path, in turn", report["drain"]["events_per_s"]))
-        bars.append(("whole path, by topology", report["drain"]["by_topology"]["events_per_s"]))
+        bars.append(("whole path in turn", report["drain"]["events_per_s"]))
+        bars.append(("whole path by topology", report["drain"]["by_topology"]["events_per_s"]))
     if bars:
         throughput.barh([name for name, _ in bars], [value for _, value in bars], color="tab:blue")
         if _ran(report["ceilings"]):

@@ -167,8 +167,8 @@ def drain_by_topology(spark: SparkSession, settings: Settings, records: int, log
     seconds = time.monotonic() - started
     log(f"drain: {records:,} events through every query by the topology in {seconds:.1f}s")
     return {
-        "mode": "by the topology (available-now, each query once its upstream has finished, as iotmon stream "
-        "--until-idle drains)",
+        "mode": "available-now, each query once the queries upstream of it have finished, the others beside it, "
+        "as iotmon stream --until-idle drains",
         "events": records,
         "seconds": round(seconds, 3),
         "events_per_s": round(rate(records, seconds), 1),

@@ -344,7 +344,7 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
     report = _report()
     report["targets"] = [t.to_dict() for t in shaping.targets(report)]
     text = shaping.render(report)
-    for needle in ("machine: ", "Kafka consumer", "whole path, by topology", "skipped (not ready)", "p95", "scale"):
+    for needle in ("machine: ", "Kafka consumer", "whole path by topology", "skipped (not ready)", "p95", "scale"):
         assert needle in text
     for needle in (
         "stream CPU while publishing: 0.70 cores (7 s in 10 s; 5 batches, 1.40 s of CPU each, records included)",
