@@ -203,8 +203,8 @@ def run_until_idle(
     order. With ``upstream`` (the queries that write what a query reads, by name), every query whose upstream
     has finished runs at once, beside the others, each in its own pool: queries that read the same table
     share the cores instead of queueing, and a cold JVM's single-threaded work (planning, compiling) of one
-    overlaps another's tasks. A query that fails is raised once the others have ended; what reads it does
-    not start."""
+    overlaps another's tasks. Once a query has failed no other starts; its failure is raised when those running
+    have ended."""
     names = [spec.name for spec in specs]
     finished = {name: threading.Event() for name in names}
     rows: dict[str, int] = {}

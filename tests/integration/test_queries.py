@@ -326,13 +326,14 @@ def test_a_drain_runs_a_query_once_its_upstream_has_finished_and_siblings_at_onc
     assert drained == {"up": 10, "left": 10, "right": 10, "last": 10}, out.getvalue()
 
 
-def test_a_drain_raises_a_failed_query_once_the_others_ended_and_skips_what_reads_it(
+def test_a_drain_raises_a_failed_query_once_the_others_ended_and_starts_none_after_it(
     spark: SparkSession, base_settings: Settings, tmp_path: Path
 ) -> None:
     source = str(tmp_path / "source")
     spark.range(10).write.format("delta").save(source)
 
-    def fail() -> None:
+    def fail() -> None:  # once the query beside it has started, so the failure cannot keep it from starting
+        wait_for((tmp_path / "beside.ck").exists, 120, "the query beside it to start")
         raise RuntimeError("injected failure")
 
     broken = _copy_spec(tmp_path, "broken", source, during=fail)
