@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,6 +56,10 @@ from streaming.scoring import anomalies_of
 from streaming.windows import END_COLUMN, FINAL_TABLES, STAT_COLUMNS, WindowSpec, tumbling_device_windows
 
 RELATIVE_TOLERANCE = 1e-9
+COMPARISONS_AT_ONCE = 3
+"""How many of the reconciliation's comparisons run together (``reconcile_analytics``)."""
+Outcome = tuple[dict[str, int], list[str]]
+"""A comparison's rows checked per table, and its problems."""
 _EXPECTED, _ACTUAL = "_in_expected", "_in_actual"
 """Marker columns: which side of a comparison a joined row has."""
 KEYS: dict[str, tuple[str, ...]] = {
@@ -220,65 +225,82 @@ def reconcile_analytics(
     progress: Callable[[str], None] = lambda _: None,
 ) -> AnalyticsCheck:
     """Every silver and gold table against its batch recomputation (the module's list); ``progress`` hears what
-    is being checked, since a large lake takes minutes."""
+    is being checked, since a large lake takes minutes.
+
+    The comparisons are independent, so ``COMPARISONS_AT_ONCE`` of them run together: each is a Spark action
+    or two whose driver's side (planning many small plans, the anomalies' scoring in Python) is most of its
+    time, and another's tasks can use the cores meanwhile. Problems are reported in the list's order."""
     check = AnalyticsCheck()
     read = spark.read.format("delta").load
     bronze, devices = read(settings.table_path(BRONZE)), read(settings.table_path(DEVICES))
     silver = read(settings.table_path(SILVER))
     check.silver_rows = silver.count()
-
-    progress(f"{SILVER} ({check.silver_rows:,} readings) against bronze")
-    expected_silver = silver_from_bronze(bronze, devices, LatenessRules.from_settings(settings))
-    columns = [*READING_KEY, "partition", "offset", LATENESS, "out_of_range", "device_type", "site"]
-    count, problems = compare_tables(expected_silver.select(columns), silver.select(columns), READING_KEY, SILVER)
-    if problems:
-        problems.append("silver: if the device registry or the silver logic changed since, run `iotmon backfill`")
-    check.rows_checked[SILVER] = count
-    check.problems += problems
-    if truth:
-        progress(f"{SILVER} against the ground truth of {len(truth)} simulator run(s)")
-        rules = LatenessRules.from_settings(settings)
-        check.problems += _silver_against_truth(spark, silver, bronze_identity(bronze), truth, rules)
-
     spec = WindowSpec.from_settings(settings)
     lower, upper = final_watermarks(spark, settings)
     check.watermark = lower
-    for table, compute in FINAL_TABLES.items():
-        progress(f"{table} against its batch recomputation")
-        actual = read(settings.table_path(table))
-        # Materialised before filtering: Spark pushes a filter on a session window's end below the
-        # aggregation that merges the sessions, which truncates them (seen with Spark 4.2).
-        expected = compute(silver, spec).localCheckpoint()
-        end = F.col(END_COLUMN[table])
-        expected = expected.where(end <= F.lit(upper)) if upper is not None else expected.limit(0)
-        # Rows past the last committed watermark belong to a batch still in flight (or interrupted): it may have
-        # written some tables and not others yet. Before any committed watermark, every row is such a row.
-        optional = F.col(f"e.{END_COLUMN[table]}") > F.lit(lower) if lower is not None else F.lit(True)
-        count, problems = compare_tables(expected, actual.select(*expected.columns), KEYS[table], table, optional)
-        check.rows_checked[table] = count
+
+    def silver_against_bronze() -> Outcome:
+        progress(f"{SILVER} ({check.silver_rows:,} readings) against bronze")
+        expected = silver_from_bronze(bronze, devices, LatenessRules.from_settings(settings))
+        columns = [*READING_KEY, "partition", "offset", LATENESS, "out_of_range", "device_type", "site"]
+        count, problems = compare_tables(expected.select(columns), silver.select(columns), READING_KEY, SILVER)
+        if problems:
+            problems.append("silver: if the device registry or the silver logic changed since, run `iotmon backfill`")
+        return {SILVER: count}, problems
+
+    def silver_against_truth() -> Outcome:
+        progress(f"{SILVER} against the ground truth of {len(truth or [])} simulator run(s)")
+        rules = LatenessRules.from_settings(settings)
+        return {}, _silver_against_truth(spark, silver, bronze_identity(bronze), truth or [], rules)
+
+    def final_table(table: str) -> Callable[[], Outcome]:
+        def compare() -> Outcome:
+            progress(f"{table} against its batch recomputation")
+            actual = read(settings.table_path(table))
+            # Materialised before filtering: Spark pushes a filter on a session window's end below the
+            # aggregation that merges the sessions, which truncates them (seen with Spark 4.2).
+            expected = FINAL_TABLES[table](silver, spec).localCheckpoint()
+            end = F.col(END_COLUMN[table])
+            expected = expected.where(end <= F.lit(upper)) if upper is not None else expected.limit(0)
+            # Rows past the last committed watermark belong to a batch still in flight (or interrupted): it may
+            # have written some tables and not others yet. Before any committed watermark, every row is such a row.
+            optional = F.col(f"e.{END_COLUMN[table]}") > F.lit(lower) if lower is not None else F.lit(True)
+            count, problems = compare_tables(expected, actual.select(*expected.columns), KEYS[table], table, optional)
+            return {table: count}, problems
+
+        return compare
+
+    def live_windows() -> Outcome:
+        progress(f"{LIVE_WINDOWS} against its batch recomputation")
+        live = read(settings.table_path(LIVE_WINDOWS))
+        expected = tumbling_device_windows(silver, spec)
+        count, problems = compare_tables(expected, live.select(*expected.columns), KEYS[LIVE_WINDOWS], LIVE_WINDOWS)
+        return {LIVE_WINDOWS: count}, problems
+
+    def anomalies() -> Outcome:
+        progress(f"{ANOMALIES} against silver scored again by each model version they name")
+        count, problems = anomalies_against_silver(spark, settings, silver)
+        return ({} if count is None else {ANOMALIES: count}), problems
+
+    def device_status() -> Outcome:
+        progress(f"{DEVICE_STATUS} and {DEVICE_STATUS_CHANGES} against the status rules run once over silver")
+        outcomes = _status_against_silver(spark, settings, silver)
+        return {table: count for table, count, _ in outcomes}, [p for _, _, problems in outcomes for p in problems]
+
+    def alerts() -> Outcome:
+        progress(f"{ALERTS} against the alert rules run once over {ANOMALIES}")
+        table = read(settings.table_path(ALERTS))
+        check.alerts = table.count()
+        return {}, _alerts_against_anomalies(spark, settings, table)[1]
+
+    steps = [silver_against_bronze, *([silver_against_truth] if truth else [])]
+    steps += [final_table(table) for table in FINAL_TABLES]
+    steps += [live_windows, anomalies, device_status, alerts]
+    with ThreadPoolExecutor(COMPARISONS_AT_ONCE, thread_name_prefix="iotmon-reconcile") as pool:
+        outcomes = list(pool.map(lambda step: step(), steps))
+    for counts, problems in outcomes:
+        check.rows_checked |= counts
         check.problems += problems
-    progress(f"{LIVE_WINDOWS} against its batch recomputation")
-    live = read(settings.table_path(LIVE_WINDOWS))
-    expected_live = tumbling_device_windows(silver, spec)
-    count, problems = compare_tables(
-        expected_live, live.select(*expected_live.columns), KEYS[LIVE_WINDOWS], LIVE_WINDOWS
-    )
-    check.rows_checked[LIVE_WINDOWS] = count
-    check.problems += problems
-    progress(f"{ANOMALIES} against silver scored again by each model version they name")
-    count, problems = anomalies_against_silver(spark, settings, silver)
-    if count is not None:
-        check.rows_checked[ANOMALIES] = count
-    check.problems += problems
-    progress(f"{DEVICE_STATUS} and {DEVICE_STATUS_CHANGES} against the status rules run once over silver")
-    for table, count, problems in _status_against_silver(spark, settings, silver):
-        check.rows_checked[table] = count
-        check.problems += problems
-    progress(f"{ALERTS} against the alert rules run once over {ANOMALIES}")
-    alerts = read(settings.table_path(ALERTS))
-    check.alerts = alerts.count()
-    count, problems = _alerts_against_anomalies(spark, settings, alerts)
-    check.problems += problems
     check.champion, problems = registry.champion_problems(settings)
     check.problems += problems
     return check

@@ -11,6 +11,7 @@ from pathlib import Path
 import deltalake
 import pyarrow.parquet as pq
 import pytest
+from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
@@ -256,3 +257,12 @@ def test_a_silent_fleet_still_finalises_its_last_windows_and_goes_offline(isolat
     assert deltalake.DeltaTable(fast.table_path(STREAM_CLOCK)).to_pandas().shape[0] > 0
     check = reconcile_analytics(spark, fast)
     assert check.problems == [], check.report()
+
+    # A device's rows lost from two tables: the comparisons, run at once, each report theirs, in the list's order.
+    device = F.col("device_id") == "dev-000007"
+    for table in (LIVE_WINDOWS, DEVICE_STATUS):
+        DeltaTable.forPath(spark, fast.table_path(table)).delete(device)
+    damaged = reconcile_analytics(spark, fast)
+    assert [problem.split(":")[0] for problem in damaged.problems] == [LIVE_WINDOWS, DEVICE_STATUS], damaged.report()
+    assert "rows of the batch recomputation are missing" in damaged.problems[1]
+    assert damaged.rows_checked == check.rows_checked
