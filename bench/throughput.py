@@ -34,6 +34,7 @@ from ingest.landing import kafka_records
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
 from iotmon.queries import AVAILABLE_NOW, await_batches, run_continuously, run_until_idle
+from pipeline.stream import drain_until_idle
 from pipeline.topology import (
     KAFKA,
     TOPOLOGY,
@@ -42,7 +43,6 @@ from pipeline.topology import (
     queries,
     trigger_of,
     triggers_line,
-    upstream_of,
 )
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
@@ -163,7 +163,7 @@ def drain_by_topology(spark: SparkSession, settings: Settings, records: int, log
     upstream of it have finished, the others beside it. The path's time is the wall time of the whole."""
     ensure_tables(spark, settings)
     started = time.monotonic()
-    rows = run_until_idle(spark, settings, queries(), out=sys.stderr, upstream=upstream_of)
+    rows = drain_until_idle(spark, settings)
     seconds = time.monotonic() - started
     log(f"drain: {records:,} events through every query by the topology in {seconds:.1f}s")
     return {

@@ -21,11 +21,11 @@ from pyspark.sql import functions as F
 
 from bench.throughput import Log
 from iotmon.config import Settings
-from iotmon.queries import run_until_idle
 from iotmon.schema import DEVICE_ID, SILVER
 from ml.features import FeatureSpec
 from ml.train import MIN_SPAN_HISTORIES, TrainOptions, device_sample, train
-from pipeline.topology import ensure_tables, queries, upstream_of
+from pipeline.stream import drain_until_idle
+from pipeline.topology import ensure_tables
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 
@@ -47,7 +47,7 @@ def champion_model(spark: SparkSession, settings: Settings, seed: int, log: Log)
     summary = run_simulation(settings, options)
     ensure_tables(spark, settings)
     # Bronze and silver only: quarantine and gold are not what the trainer reads.
-    run_until_idle(spark, settings, queries([SILVER]), upstream=upstream_of)
+    drain_until_idle(spark, settings, [SILVER])
     started = time.monotonic()
     report = train(spark, settings, TrainOptions(promote=True))
     seconds = time.monotonic() - started

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from iotmon.config import ConfigError, Settings
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
+    from typing import TextIO
 
     from pyspark.sql import SparkSession
 
@@ -32,7 +33,7 @@ def run_stream(
     from iotmon.kafka import ensure_topic
     from iotmon.ops import install_progress_recorder
     from iotmon.preflight import require_writable
-    from iotmon.queries import run_continuously, run_until_idle
+    from iotmon.queries import run_continuously
     from iotmon.spark import spark_session
     from ml import registry
     from pipeline.clock import EventClock
@@ -64,7 +65,7 @@ def run_stream(
     ensure_tables(spark, settings)
     with install_progress_recorder(spark, settings, source_reads=source_reads()):
         if stop is None:
-            run_until_idle(spark, settings, queries(), upstream=upstream_of)
+            drain_until_idle(spark, settings)
             return
         EventClock(spark, settings, stop).start()
         print(
@@ -90,6 +91,18 @@ def run_stream(
             hold=hold,
             upstream=upstream_of,
         )
+
+
+def drain_until_idle(
+    spark: SparkSession, settings: Settings, producing: Iterable[str] | None = None, out: TextIO = sys.stderr
+) -> dict[str, int]:
+    """What the sources hold now through every query, or those the tables ``producing`` need, each with the
+    available-now trigger once the queries upstream of it have finished (the others beside it); the rows each
+    read. ``iotmon stream --until-idle``'s drain; the tables must exist (``pipeline.topology.ensure_tables``)."""
+    from iotmon.queries import run_until_idle
+    from pipeline.topology import queries, upstream_of
+
+    return run_until_idle(spark, settings, queries(producing), out, upstream=upstream_of)
 
 
 def first_model_hold(settings: Settings, trainer: PeriodicTrainer) -> Callable[[], str | None]:

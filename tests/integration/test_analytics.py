@@ -18,7 +18,6 @@ from pyspark.sql import functions as F
 from ingest.silver import READING_KEY
 from iotmon.cli import main
 from iotmon.config import Settings, interval_seconds
-from iotmon.queries import run_until_idle
 from iotmon.schema import (
     ANOMALIES,
     BRONZE,
@@ -33,8 +32,8 @@ from iotmon.schema import (
     TOO_LATE,
 )
 from pipeline.backfill import backfill
-from pipeline.stream import run_stream
-from pipeline.topology import ensure_tables, queries, upstream_of
+from pipeline.stream import drain_until_idle, run_stream
+from pipeline.topology import ensure_tables
 from pipeline.verify import reconcile_lake
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
@@ -74,7 +73,7 @@ def _simulate(
 
 def _drain(spark: SparkSession, settings: Settings) -> dict[str, int]:
     ensure_tables(spark, settings)
-    return run_until_idle(spark, settings, queries(), upstream=upstream_of)
+    return drain_until_idle(spark, settings)
 
 
 @pytest.fixture(scope="module")

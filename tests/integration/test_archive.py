@@ -17,9 +17,9 @@ from iotmon.cli import main
 from iotmon.config import Settings
 from iotmon.kafka import make_producer
 from iotmon.lake import run_sql
-from iotmon.queries import run_until_idle
 from iotmon.schema import BRONZE, DEVICE_TYPES, DEVICES, INGEST, QUARANTINE
-from pipeline.topology import ensure_tables, queries
+from pipeline.stream import drain_until_idle
+from pipeline.topology import ensure_tables
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from simulators.truth import OFFSET_UNKNOWN
@@ -56,7 +56,7 @@ def test_backlog_is_archived_exactly_once_and_bad_records_quarantined(isolated: 
     _simulate(isolated, truth, events=12_000, seed=7)
     ensure_tables(spark, isolated)
 
-    drained = run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))
+    drained = drain_until_idle(spark, isolated, [BRONZE, QUARANTINE])
     assert drained[INGEST] == 12_000
 
     result = reconcile(spark, isolated, [truth])
@@ -71,7 +71,7 @@ def test_backlog_is_archived_exactly_once_and_bad_records_quarantined(isolated: 
         assert row.reason.startswith(REASON_OF_KIND[row.malformed_kind]), row
 
     # Nothing new in Kafka: a second drain writes nothing.
-    assert run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))[INGEST] == 0
+    assert drain_until_idle(spark, isolated, [BRONZE, QUARANTINE])[INGEST] == 0
     assert spark.read.format("delta").load(isolated.table_path(BRONZE)).count() == 12_000
 
 
@@ -79,7 +79,7 @@ def test_verify_catches_records_the_archive_has_not_seen(isolated: Settings, spa
     truth = isolated.home / "truth.parquet"
     _simulate(isolated, truth, events=2_000, seed=11)
     ensure_tables(spark, isolated)
-    run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))
+    drain_until_idle(spark, isolated, [BRONZE, QUARANTINE])
     assert reconcile(spark, isolated, [truth]).problems == []
 
     # Acknowledged without an offset (an idempotent duplicate after a broker restart): found by content.
@@ -103,7 +103,7 @@ def test_verify_catches_records_the_archive_has_not_seen(isolated: Settings, spa
     missing = sum(p.missing for p in behind.partitions)
     assert missing == 25 and behind.problems
 
-    run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))
+    drain_until_idle(spark, isolated, [BRONZE, QUARANTINE])
     caught_up = reconcile(spark, isolated, [truth])
     assert caught_up.problems == [], caught_up.report()
     assert caught_up.quarantine_rows == caught_up.bronze_malformed
@@ -113,9 +113,9 @@ def test_a_second_run_appends_incrementally(isolated: Settings, spark: SparkSess
     first, second = isolated.home / "a.parquet", isolated.home / "b.parquet"
     _simulate(isolated, first, events=3_000, seed=1)
     ensure_tables(spark, isolated)
-    run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))
+    drain_until_idle(spark, isolated, [BRONZE, QUARANTINE])
     _simulate(isolated, second, events=4_000, seed=2)
-    assert run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))[INGEST] == 4_000
+    assert drain_until_idle(spark, isolated, [BRONZE, QUARANTINE])[INGEST] == 4_000
     result = reconcile(spark, isolated, [first, second])
     assert result.problems == [], result.report()
     assert result.truth is not None and result.truth.delivered == 7_000
@@ -126,7 +126,7 @@ def test_lake_is_queryable_by_name_and_readable_without_spark(
 ) -> None:
     _simulate(isolated, isolated.home / "truth.parquet", events=2_000, seed=21)
     ensure_tables(spark, isolated)
-    run_until_idle(spark, isolated, queries([BRONZE, QUARANTINE]))
+    drain_until_idle(spark, isolated, [BRONZE, QUARANTINE])
 
     per_type = run_sql(
         spark,

@@ -13,9 +13,9 @@ from ingest.bronze import PayloadRules
 from ingest.silver import READING_KEY
 from iotmon.config import Settings
 from iotmon.kafka import ensure_topic, make_producer
-from iotmon.queries import run_until_idle
 from iotmon.schema import BRONZE, DEVICES, DEVICES_SCHEMA, INGEST, QUARANTINE, SILVER
-from pipeline.topology import ensure_tables, queries, upstream_of
+from pipeline.stream import drain_until_idle
+from pipeline.topology import ensure_tables
 from tests.bad_input import ANY_REASON, Record, acceptable_reading, draw_records, reason_codes, records
 
 pytestmark = pytest.mark.integration
@@ -80,7 +80,7 @@ def test_bad_records_are_quarantined_with_their_reason_and_good_ones_reach_silve
     placed = _publish(isolated, batch, kafka_ts)
 
     # Raises if a query failed.
-    drained = run_until_idle(spark, isolated, queries([SILVER, QUARANTINE]), upstream=upstream_of)
+    drained = drain_until_idle(spark, isolated, [SILVER, QUARANTINE])
     assert drained[INGEST] == len(batch)
 
     bronze = {

@@ -14,14 +14,13 @@ from pyspark.sql import functions as F
 
 from ingest.silver import READING_KEY
 from iotmon.config import Settings
-from iotmon.queries import run_until_idle
 from iotmon.schema import ANOMALIES, SILVER
 from ml import registry
 from ml.features import FEATURE_VERSION, FeatureSpec
 from ml.model import ModelParams
 from ml.train import TrainingError, TrainOptions, archive_extent, past_to_publish_s, span_to_train_s, train
-from pipeline.stream import TRAINING_JOB_GROUP, start_trainer
-from pipeline.topology import ensure_tables, queries, upstream_of
+from pipeline.stream import TRAINING_JOB_GROUP, drain_until_idle, start_trainer
+from pipeline.topology import ensure_tables
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from streaming import scoring
@@ -45,7 +44,7 @@ def _simulate(settings: Settings, truth: Path, start: dt.datetime, duration: flo
 
 def _archive_to_silver(spark: SparkSession, settings: Settings) -> None:
     ensure_tables(spark, settings)
-    run_until_idle(spark, settings, queries([SILVER]), upstream=upstream_of)
+    drain_until_idle(spark, settings, [SILVER])
 
 
 def _keys(spark: SparkSession, settings: Settings, table: str):

@@ -20,9 +20,9 @@ from pyspark.sql import SparkSession
 from iotmon.cli import main
 from iotmon.config import Settings
 from iotmon.kafka import client_config
-from iotmon.queries import run_until_idle
 from iotmon.schema import DEVICES, DEVICES_SCHEMA, LIVE_WINDOWS, METRIC_NAMES, QUARANTINE, REQUIRED_FIELDS, SILVER
-from pipeline.topology import ensure_tables, queries, upstream_of
+from pipeline.stream import drain_until_idle
+from pipeline.topology import ensure_tables
 from simulators.fleet import arrow_schema
 from simulators.timefmt import format_timestamp
 
@@ -201,7 +201,7 @@ def test_a_restamped_replay_reaches_silver_with_every_reading(
 
     # The stages the assertions need, not the whole pipeline: archive, silver, live windows.
     ensure_tables(spark, isolated)
-    run_until_idle(spark, isolated, queries([SILVER, LIVE_WINDOWS]), upstream=upstream_of)
+    drain_until_idle(spark, isolated, [SILVER, LIVE_WINDOWS])
     silver = spark.read.format("delta").load(isolated.table_path(SILVER))
     assert silver.count() == 60 and silver.select("device_id", "seq").distinct().count() == 60
     assert {r.lateness for r in silver.select("lateness").distinct().collect()} == {"on_time"}

@@ -26,9 +26,9 @@ from iotmon import broker
 from iotmon.config import Secret, Settings
 from iotmon.kafka import KafkaUnavailable, partition_offsets
 from iotmon.ops import install_progress_recorder
-from iotmon.queries import run_until_idle
 from iotmon.schema import BRONZE, INGEST, QUARANTINE, QUERY_PROGRESS
-from pipeline.topology import ensure_tables, queries
+from pipeline.stream import drain_until_idle
+from pipeline.topology import ensure_tables
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from tests.support import free_port, wait_for, with_own_broker
@@ -219,7 +219,7 @@ def test_archive_from_a_sasl_broker_keeps_the_password_to_kafka(
         ensure_tables(spark, secured)
         stream_output = io.StringIO()
         with install_progress_recorder(spark, secured, flush_every=0.5):
-            drained = run_until_idle(spark, secured, queries([BRONZE, QUARANTINE]), out=stream_output)
+            drained = drain_until_idle(spark, secured, [BRONZE, QUARANTINE], out=stream_output)
         assert drained[INGEST] == 2_000
         env = secured.child_env()
         config = subprocess.run([*IOTMON, "config"], env=env, capture_output=True, text=True, timeout=60)
