@@ -19,6 +19,8 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TextIO
@@ -60,6 +62,9 @@ and goes on appending to the rebuilt silver)."""
 REBUILT_BY_STREAM: tuple[str, ...] = (DEVICE_STATUS, DEVICE_STATUS_CHANGES, ANOMALIES, ALERTS)
 """Tables a backfill empties for the resumed stream to rebuild from the new silver: state machines, whose
 history only the stream replays faithfully, and the scores (the current champion rescores everything)."""
+REBUILDS_AT_ONCE = 3
+"""How many of the tables below silver are rebuilt together: each depends on silver alone, and each is a few
+Spark jobs whose driver's side (planning, the Delta commit) leaves a core idle for another's tasks."""
 
 
 @dataclass
@@ -124,20 +129,31 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
     if newest is not None:
         result.final_through = newest - timedelta(seconds=interval_seconds(settings.watermark))
     spec = WindowSpec.from_settings(settings)
-    for name, compute in FINAL_TABLES.items():
-        step(name)
-        # Materialised before filtering: Spark would push a filter on a session's end below the merge
-        # of sessions and truncate them.
-        rows = compute(silver, spec).localCheckpoint()
-        final = rows.where(F.col(END_COLUMN[name]) <= F.lit(result.final_through)) if newest else rows.limit(0)
-        result.rows[name] = _replace(final, table(name))
+
+    def final_table(name: str) -> Callable[[], int]:
+        def rebuild() -> int:
+            step(name)
+            # Materialised before filtering: Spark would push a filter on a session's end below the merge
+            # of sessions and truncate them.
+            rows = FINAL_TABLES[name](silver, spec).localCheckpoint()
+            final = rows.where(F.col(END_COLUMN[name]) <= F.lit(result.final_through)) if newest else rows.limit(0)
+            return _replace(final, table(name))
+
+        return rebuild
+
+    def live_windows() -> int:
+        step(LIVE_WINDOWS)
+        return _replace(tumbling_device_windows(silver, spec), table(LIVE_WINDOWS))
+
+    def emptied(name: str) -> Callable[[], int]:
+        return lambda: _replace(spark.read.format("delta").load(table(name)).limit(0), table(name))
+
+    rebuilds = {name: final_table(name) for name in FINAL_TABLES} | {LIVE_WINDOWS: live_windows}
+    rebuilds |= {name: emptied(name) for name in REBUILT_BY_STREAM if DeltaTable.isDeltaTable(spark, table(name))}
+    with ThreadPoolExecutor(REBUILDS_AT_ONCE, thread_name_prefix="iotmon-backfill") as pool:
+        result.rows |= dict(zip(rebuilds, pool.map(lambda rebuild: rebuild(), rebuilds.values()), strict=True))
     if result.final_through is not None:
         _set_property(spark, table(DEVICE_WINDOWS), FINAL_THROUGH, result.final_through.isoformat())
-    step(LIVE_WINDOWS)
-    result.rows[LIVE_WINDOWS] = _replace(tumbling_device_windows(silver, spec), table(LIVE_WINDOWS))
-    for name in REBUILT_BY_STREAM:
-        if DeltaTable.isDeltaTable(spark, table(name)):
-            result.rows[name] = _replace(spark.read.format("delta").load(table(name)).limit(0), table(name))
 
     step("resetting the downstream checkpoints")
     for query in RESET_QUERIES:
