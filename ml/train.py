@@ -340,10 +340,15 @@ def _evaluate(holdout: DataFrame, pipeline, threshold: float, labels: DataFrame 
     if labels is None:
         flagged = scores.agg(F.count("*"), F.count(F.when(F.col("score") > threshold, 1))).first()
         return {"holdout_readings": float(flagged[0]), "holdout_flagged": float(flagged[1])}
-    labelled = label_scores(scores, labels)
-    if labelled.isEmpty():
-        return {"holdout_readings": float(scores.count())}
-    return detection_metrics(labelled, threshold)
+    # Held: the metrics are three Spark actions over it, each of which would score the holdout again in Python
+    # and join it with the labels (half the step's time, on the first model's path to the first anomaly).
+    labelled = label_scores(scores, labels).persist()
+    try:
+        if labelled.isEmpty():
+            return {"holdout_readings": float(scores.count())}
+        return detection_metrics(labelled, threshold)
+    finally:
+        labelled.unpersist()
 
 
 def _evaluate_champion(
@@ -439,8 +444,30 @@ class PeriodicTrainer:
         self.settings, self.session, self.options, self.every_s = settings, session, options, every_s
         self.on_champion, self.out, self.err = on_champion, out or sys.stdout, err or sys.stderr
         self.ran = threading.Event()
+        self._look = threading.Event()
+        """Ends a wait between looks: set by ``look_now`` and by the stop."""
+
+    def look_now(self) -> None:
+        """Look at the archive now instead of at the next look: for a caller that has just seen it grow enough to
+        train on (``pipeline.stream``: the first model, which the scorer waits for, starts at once)."""
+        self._look.set()
 
     def run(self, stop: threading.Event) -> None:
+        """Train periodically until ``stop``, on the calling thread."""
+
+        def wake_at_stop() -> None:
+            stop.wait()
+            self._look.set()
+
+        waker = threading.Thread(target=wake_at_stop, name="iotmon-trainer-wake", daemon=True)
+        waker.start()
+        try:
+            self._train_until(stop)
+        finally:
+            if stop.is_set():
+                waker.join()  # it has seen the stop: gone before the caller's thread is
+
+    def _train_until(self, stop: threading.Event) -> None:
         spec, trained_on = FeatureSpec.from_settings(self.settings), None
         last_wait_line = -WAIT_LINE_SECONDS
         while True:
@@ -474,7 +501,9 @@ class PeriodicTrainer:
                 print(f"iotmon train: run failed, champion unchanged: {exc}", file=self.err, flush=True)
             if attempted:
                 self.ran.set()
-            if stop.wait(max(0.0, wait - (time.monotonic() - started))):
+            self._look.wait(max(0.0, wait - (time.monotonic() - started)))
+            self._look.clear()
+            if stop.is_set():
                 return
 
     def start(self, stop: threading.Event, cancel: Callable[[], None]) -> threading.Thread:

@@ -123,7 +123,9 @@ def first_model_hold(settings: Settings, trainer: PeriodicTrainer) -> Callable[[
         nonlocal enough
         if trainer.ran.is_set():
             return None
-        enough = enough or reason_to_wait(archive_extent(settings), spec, None) is None
+        if not enough and reason_to_wait(archive_extent(settings), spec, None) is None:
+            enough = True
+            trainer.look_now()  # not at its next look, up to RETRY_SECONDS later
         return "the first model is training (the scorer needs it)" if enough else None
 
     return hold

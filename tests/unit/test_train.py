@@ -100,6 +100,39 @@ def test_a_periodic_trainer_waits_for_an_archive_without_starting_spark_and_ends
     assert not trainer.ran.is_set(), "waiting for data is not a run: a stream's hold would end too soon"
 
 
+def test_look_now_ends_a_wait_for_data_at_once(tmp_path, monkeypatch) -> None:
+    """A stream that sees silver grow enough to train on asks the trainer to look now: the first model starts
+    then, not at the trainer's next look (here an hour away); a stop still ends the wait at once."""
+    import io
+    import threading
+
+    from iotmon.config import Settings
+    from ml import train as train_module
+
+    looks: list[threading.Event] = [threading.Event(), threading.Event()]
+
+    def too_little(*_: object) -> str:
+        next((look for look in looks if not look.is_set()), threading.Event()).set()
+        return "too little yet"
+
+    monkeypatch.setattr(train_module, "reason_to_wait", too_little)
+    monkeypatch.setattr(train_module, "RETRY_SECONDS", 3600.0)
+    stop = threading.Event()
+    trainer = train_module.PeriodicTrainer(
+        Settings.from_env({}, home=tmp_path), lambda: None, train_module.TrainOptions, every_s=7200.0, err=io.StringIO()
+    )
+    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert looks[0].wait(60)
+        trainer.look_now()
+        assert looks[1].wait(60), "look_now did not end the wait"
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive(), "a stop ends the wait"
+
+
 def test_a_failed_run_has_ended_too(tmp_path, monkeypatch) -> None:
     """What a stream starting with no model holds its other queries back for: the first run, however it ends."""
     import io
@@ -185,7 +218,7 @@ def test_once_the_trainers_thread_has_ended_no_cancel_runs_or_follows(tmp_path, 
     thread it started may be left to call another."""
     import threading
 
-    cancelled, run_returned = threading.Event(), threading.Event()
+    running, cancelled, run_returned = threading.Event(), threading.Event(), threading.Event()
     calls: list[str] = []
 
     def cancel() -> None:
@@ -195,6 +228,7 @@ def test_once_the_trainers_thread_has_ended_no_cancel_runs_or_follows(tmp_path, 
         calls.append("returned")
 
     def a_run(*_: object, **__: object) -> None:
+        running.set()
         assert cancelled.wait(60)
         raise RuntimeError("Job cancelled")
 
@@ -210,6 +244,7 @@ def test_once_the_trainers_thread_has_ended_no_cancel_runs_or_follows(tmp_path, 
     monkeypatch.setattr(trainer, "run", run_and_say_so)
     before = set(threading.enumerate())
     thread = trainer.start(stop, cancel)
+    assert running.wait(60)  # the stop lands in the run, not before it
     started = set(threading.enumerate()) - before
     stop.set()
     thread.join(120)
