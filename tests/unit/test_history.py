@@ -110,6 +110,17 @@ def test_a_fresh_history_reads_the_lookback_of_the_first_batch_once() -> None:
     assert dt.timedelta(microseconds=first_us - min(starts[0].values())) >= dt.timedelta(seconds=SPEC.lookback_s)
 
 
+def test_a_silver_read_that_finds_nothing_leaves_the_batch_its_own_lookback() -> None:
+    """A first batch that holds its devices' whole lookback needs nothing from silver: features from a read
+    that finds no row (it used to fail on an empty table) equal those from one that finds the batch itself."""
+    archive = _archive()
+    first = archive.slice(0, 120)
+    nothing = DeviceHistory(late_s=30.0).featured(first, SPEC, lambda _: archive.slice(0, 0))
+    itself = DeviceHistory(late_s=30.0).featured(first, SPEC, lambda _: first)
+    assert _by_key(nothing) == _by_key(itself)
+    assert any(value != 0.0 for values in _by_key(nothing).values() for value in values)
+
+
 @pytest.mark.parametrize("ahead", [False, True], ids=["silver-as-of-the-batch", "silver-ahead-of-the-batch"])
 def test_a_restart_whose_first_batch_is_an_old_reading_alone_misses_nothing_after_it(ahead: bool) -> None:
     """A scorer restarted from its checkpoint starts with an empty history. If its first batch holds only a
