@@ -501,8 +501,10 @@ class PeriodicTrainer:
                 print(f"iotmon train: run failed, champion unchanged: {exc}", file=self.err, flush=True)
             if attempted:
                 self.ran.set()
-            self._look.wait(max(0.0, wait - (time.monotonic() - started)))
-            self._look.clear()
+                self._look.clear()  # a look asked for during the run was the run: the next waits its interval
+            if not stop.is_set():
+                self._look.wait(max(0.0, wait - (time.monotonic() - started)))
+                self._look.clear()
             if stop.is_set():
                 return
 

@@ -133,6 +133,42 @@ def test_look_now_ends_a_wait_for_data_at_once(tmp_path, monkeypatch) -> None:
     assert not thread.is_alive(), "a stop ends the wait"
 
 
+def test_a_look_asked_for_during_a_run_does_not_start_the_next_one_early(tmp_path, monkeypatch) -> None:
+    """The stream's hold may ask for a look while the trainer, having looked itself, is already running: that run
+    answered it, and the next still waits its interval (back-to-back runs would take the stream's cores)."""
+    import threading
+
+    class Looks(threading.Event):
+        """The trainer's wake-up event, telling whether it was set when a wait began."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.set_at_wait: list[bool] = []
+            self.waiting = threading.Event()
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.set_at_wait.append(self.is_set())
+            self.waiting.set()
+            return super().wait(timeout)
+
+    def a_run(*_: object, **__: object) -> None:
+        trainer.look_now()  # the hold's, landing mid-run
+        raise RuntimeError("a run that ends")
+
+    trainer, _, stop = _trainer_with_run(a_run, tmp_path, monkeypatch)
+    looks = Looks()
+    monkeypatch.setattr(trainer, "_look", looks)
+    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        assert looks.waiting.wait(60)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive()
+    assert looks.set_at_wait == [False], looks.set_at_wait
+
+
 def test_a_failed_run_has_ended_too(tmp_path, monkeypatch) -> None:
     """What a stream starting with no model holds its other queries back for: the first run, however it ends."""
     import io
