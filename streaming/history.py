@@ -52,14 +52,6 @@ class _Readings:
     """The newest reading of the device a batch has had: what decides what is still needed (readings read from
     silver ahead of it are kept, and need nothing)."""
 
-    @classmethod
-    def of_rows(cls, columns: _Columns, rows: np.ndarray, complete_from_us: int) -> _Readings:
-        """The readings at ``rows`` of a table's columns, complete from ``complete_from_us`` on."""
-        readings = cls(
-            columns.event_us[rows], columns.seq[rows], columns.values[rows], columns.on_time[rows], complete_from_us
-        )
-        return readings.merged(None)
-
     def merged(self, other: _Readings | None) -> _Readings:
         """These readings and ``other``'s, each once, sorted; complete from where these are (``other`` only
         adds readings)."""
@@ -94,10 +86,6 @@ class _Readings:
         )
 
 
-def _event_us(table: pa.Table) -> np.ndarray:
-    return table.column(EVENT_TIME).cast(pa.timestamp("us")).to_numpy().astype(np.int64)
-
-
 @dataclass(frozen=True)
 class _Columns:
     """What features are computed from, as arrays of a whole table: a device's rows are then picked by index,
@@ -111,11 +99,16 @@ class _Columns:
     @classmethod
     def of(cls, table: pa.Table) -> _Columns:
         return cls(
-            _event_us(table),
+            table.column(EVENT_TIME).cast(pa.timestamp("us")).to_numpy().astype(np.int64),
             table.column(SEQ).to_numpy().astype(np.int64),
             np.column_stack([table.column(m).to_numpy() for m in METRIC_NAMES]).astype(np.float64),
             pc.equal(table.column(LATENESS), ON_TIME).to_numpy(zero_copy_only=False),
         )
+
+    def readings(self, rows: np.ndarray, complete_from_us: int) -> _Readings:
+        """The readings at ``rows``, complete from ``complete_from_us`` on."""
+        picked = _Readings(self.event_us[rows], self.seq[rows], self.values[rows], self.on_time[rows], complete_from_us)
+        return picked.merged(None)
 
 
 class DeviceHistory:
@@ -146,7 +139,7 @@ class DeviceHistory:
         features = np.empty((batch.num_rows, len(METRIC_NAMES), len(FEATURE_COLUMNS)))
         for i, name in enumerate(names):
             device, rows = str(name), order[bounds[i] : bounds[i + 1]]
-            mine = _Readings.of_rows(columns, rows, starts[device])
+            mine = columns.readings(rows, starts[device])
             mine.newest_scored_us = int(mine.event_us[-1])
             known = self.devices[device].merged(mine)
             # Features only look back: what silver held beyond the batch's newest reading plays no part.
@@ -176,7 +169,7 @@ class DeviceHistory:
             first, end = bounds.get(device, (0, 0))
             rows = order[first:end]
             rows = rows[columns.event_us[rows] >= start]
-            read = _Readings.of_rows(columns, rows, start)
+            read = columns.readings(rows, start)
             held = self.devices.get(device)
             self.devices[device] = read if held is None else read.merged(held)
 
