@@ -308,11 +308,19 @@ def run_continuously(
     following = {spec.name: spec for spec in specs if lead and spec.name not in lead}
     """Queries that start once every lead query has finished a trigger."""
 
+    report = ProgressReport()
+
+    def launch(spec: QuerySpec, on: Trigger) -> None:
+        """Start ``spec`` and say so now: the periodic report comes up to ``report_every`` later, and a start
+        announced then reads as a start that took that long."""
+        queries[spec.name] = start_query(spec, spark, settings, on, out)
+        report.show({spec.name: queries[spec.name]}, reads, out)
+
     def start_when_ready(spec: QuerySpec, ended: str | None = None) -> None:
         reason = spec.waiting_for(spark, settings)
         if reason is None:
             waiting.pop(spec.name, None)
-            queries[spec.name] = start_query(spec, spark, settings, trigger(spec), out)
+            launch(spec, trigger(spec))
             return
         if spec.name not in waiting:
             print(f"{spec.name}: {ended + '; ' if ended else ''}waiting: {reason}", file=out, flush=True)
@@ -356,7 +364,6 @@ def run_continuously(
     Seen while they run (a batch's report stays the last one for Spark's ``noDataProgressEventInterval``, 10 s,
     longer than this loop's polls), because Spark keeps only a query's last 99 reports, which an idle query
     fills with reports of triggers that found no data."""
-    report = ProgressReport()
     next_report = time.monotonic() + report_every
     slower: set[str] = set()
     """Draining queries still on a slower trigger than the default: stopped between two batches..."""
@@ -415,7 +422,7 @@ def run_continuously(
         pending = {*behind, *parked}
         if due := [spec for spec in specs if spec.name in parked and pending.isdisjoint(upstream_of(spec.name))]:
             for spec in due:
-                queries[spec.name] = start_query(spec, spark, settings, every, out)
+                launch(spec, every)
                 parked.discard(spec.name)
             return False
         return not behind and not parked
@@ -466,7 +473,7 @@ def run_continuously(
                 if pause(backoff):
                     break
                 slower.discard(spec.name)  # restarted on the trigger of the moment
-                queries[spec.name] = start_query(spec, spark, settings, trigger(spec), out)
+                launch(spec, trigger(spec))
             if time.monotonic() >= next_report:
                 report.show(queries, reads, out)
                 next_report = time.monotonic() + report_every
