@@ -7,7 +7,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,12 +21,12 @@ from iotmon.config import ConfigError, Settings, describe_settings, interval_sec
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from pipeline.verify import LakeCheck
     from simulators.options import SimulationOptions
 
 EXIT_MISMATCH = 1
 PERIODIC_TRAINER_NICENESS = 10
 """How much a periodic trainer lowers its scheduling priority, so that the stream keeps its latency budgets."""
-CHILD_STOP_SECONDS = 30.0
 EXIT_ERROR = 2
 
 
@@ -213,7 +212,11 @@ def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
     for table in (BRONZE, QUARANTINE):
         if not DeltaTable.isDeltaTable(spark, settings.table_path(table)):
             raise no_table(table)
-    check = reconcile_lake(spark, settings, truth, progress=_checking)
+    return _reported(reconcile_lake(spark, settings, truth, progress=_checking))
+
+
+def _reported(check: LakeCheck) -> int:
+    """Print a lake's reconciliation; the exit code it calls for."""
     print(check.archive.report())
     if check.analytics is not None:
         print(check.analytics.report())
@@ -508,101 +511,17 @@ def cmd_reset(settings: Settings, args: argparse.Namespace) -> int:
 # --- demo --------------------------------------------------------------------------------------------------
 
 
-class _Children:
-    """The processes a demo starts, each stopped with its own signal, waited for, and killed if it hangs."""
-
-    def __init__(self) -> None:
-        self.started: list[tuple[str, subprocess.Popen, signal.Signals, float]] = []
-
-    def start(self, name: str, argv: Sequence[str], stop_with: signal.Signals, patience: float) -> subprocess.Popen:
-        process = subprocess.Popen([sys.executable, "-m", "iotmon.cli", *argv])
-        self.started.append((name, process, stop_with, patience))
-        return process
-
-    def stop(self, *names: str) -> None:
-        chosen = [child for child in self.started if child[0] in names]
-        for _, process, stop_with, _ in chosen:
-            if process.poll() is None:
-                process.send_signal(stop_with)
-        for name, process, _, patience in chosen:
-            try:
-                process.wait(patience)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-                print(f"{name}: killed after {patience:g}s without stopping", file=sys.stderr, flush=True)
-
-    def stop_all(self) -> None:
-        self.stop(*(name for name, *_ in self.started))
-
-
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
-    """Broker, a real-time fleet, the stream, the dashboard and the MLflow UI as separate processes, the way they
-    would run in production, and a periodic trainer in the stream's Spark session (``pipeline.stream``: its
-    warm JVM trains the first model sooner than a cold one beside it); on exit, drain, reconcile, and stop
-    what it started."""
     from iotmon import broker
-    from ml.train import past_to_publish_s
-    from pipeline.stream import run_stream
+    from pipeline.demo import DemoOptions, run_demo
 
-    retrain_every_s = interval_seconds(args.retrain_every)
     stop = stop_on_signals()
-    broker_was_running = broker.status(settings).running
     if args.fresh:
-        if broker_was_running:
+        if broker.status(settings).running:
             raise CommandError("--fresh deletes the broker's data: stop it first (`iotmon kafka stop`)")
-        models = settings.mlflow_tracking_uri is None
-        cmd_reset(settings, argparse.Namespace(kafka=True, models=models))
-    print(broker.start(settings).report(), flush=True)
-    children = _Children()
-    try:
-        truth = settings.truth_dir / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
-        # The fleet's recent past first, as much as the first model needs: it trains at once, not minutes later.
-        past = past_to_publish_s(settings)
-        fleet = ["--devices", str(args.devices), "--rate", str(args.rate), "--past", str(past)]
-        duration = ["--duration", str(args.duration)] if args.duration else []
-        simulator = ["simulate", "--quiet", "--truth", str(truth), *fleet, *duration]
-        pid = children.start("simulator", simulator, signal.SIGINT, CHILD_STOP_SECONDS).pid
-        history = f", after their last {past:g}s of readings at once" if past else ""
-        print(
-            f"simulator: {args.devices} devices at {args.rate:g} events/s{history} (pid {pid}); truth -> {truth}",
-            flush=True,
-        )
-        print(
-            f"trainer: retrains every {args.retrain_every} in the stream's Spark session, once silver has enough "
-            "history",
-            flush=True,
-        )
-        for name in ("dashboard", "mlflow"):
-            children.start(name, [name], signal.SIGTERM, CHILD_STOP_SECONDS)
-        print(
-            "dashboard, MLflow UI: their addresses follow; the first anomalies appear once the first model is trained",
-            flush=True,
-        )
-        if args.duration:
-            timer = threading.Timer(args.duration, stop.set)
-            timer.daemon = True
-            timer.start()
-        drain = threading.Event()
-
-        def wind_down() -> None:
-            """At a stop, the stream drains as soon as nothing new is published; meanwhile what else competes
-            for the cores stops too (the dashboard and the MLflow UI; the stream cancels a training run)."""
-            stop.wait()
-            children.stop("simulator")
-            drain.set()
-            print("stopped the fleet; the trainer stops, the stream drains, then the lake is reconciled", flush=True)
-            children.stop("dashboard", "mlflow")
-            print("stopped the dashboard and the MLflow UI", flush=True)
-
-        threading.Thread(target=wind_down, name="iotmon-demo-wind-down", daemon=True).start()
-        run_stream(settings, drain, drain_on_stop=True, train_every_s=retrain_every_s)
-        return cmd_verify(settings, argparse.Namespace(truth=[], all_truth=True))
-    finally:
-        children.stop_all()
-        if not broker_was_running:
-            broker.stop(settings)
-            print("stopped the kafka broker the demo started", flush=True)
+        cmd_reset(settings, argparse.Namespace(kafka=True, models=settings.mlflow_tracking_uri is None))
+    options = DemoOptions(args.devices, args.rate, args.duration, args.retrain_every)
+    return _reported(run_demo(settings, options, stop, progress=_checking))
 
 
 # --- chaos -------------------------------------------------------------------------------------------------
@@ -901,6 +820,7 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--kafka", action="store_true", help="also delete the embedded broker's data")
     reset.add_argument("--models", action="store_true", help="also delete the local MLflow runs and models")
     from bench.chaos import ChaosOptions
+    from pipeline.demo import DemoOptions
 
     chaos = command(
         "chaos",
@@ -948,10 +868,15 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_demo,
         "broker, real-time fleet, stream, periodic trainer, dashboard, MLflow UI; Ctrl-C drains and reconciles",
     )
-    demo.add_argument("--devices", type=int, default=200)
-    demo.add_argument("--rate", type=float, default=500.0, help="events/s")
+    demo.add_argument("--devices", type=int, default=DemoOptions.devices)
+    demo.add_argument("--rate", type=float, default=DemoOptions.rate, help=f"events/s (default {DemoOptions.rate:g})")
     demo.add_argument("--duration", type=float, help="seconds to run (default: until Ctrl-C)")
-    demo.add_argument("--retrain-every", default="5 minutes", help="how often the trainer runs (default 5 minutes)")
+    demo.add_argument(
+        "--retrain-every",
+        type=_seconds,
+        default=DemoOptions.retrain_every_s,
+        help=f"how often the trainer runs, e.g. '2 minutes' (default {DemoOptions.retrain_every_s:g} seconds)",
+    )
     demo.add_argument("--fresh", action="store_true", help="start over: delete lake, checkpoints, Kafka data, models")
     return parser
 

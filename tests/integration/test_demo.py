@@ -165,6 +165,6 @@ def test_demo_closes_the_loop_on_the_dashboard_then_stops_cleanly_on_ctrl_c(
     assert first_event.timestamp() <= simulator_started_at - 10, "the past precedes the simulator's start"
     assert not list((tmp_path / "truth").glob("*.live"))  # the simulator's live truth is cleaned up
     # The trainer runs in the stream's Spark session: it trained there, and its thread ended with the demo.
-    assert "trainer: retrains every 5 minutes in the stream's Spark session" in text_out, output()
+    assert "trainer: retrains every 300 s in the stream's Spark session" in text_out, output()
     assert "trained iotmon-anomaly run " in text_out, output()
     assert not _listening(settings.dashboard_port) and not _listening(settings.mlflow_ui_port)

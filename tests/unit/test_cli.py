@@ -117,6 +117,17 @@ def test_chaos_checks_its_options(capsys: pytest.CaptureFixture) -> None:
     assert "--kill-in names more queries than --kills allows" in capsys.readouterr().err
 
 
+def test_demo_refuses_a_malformed_interval_before_it_deletes_or_starts_anything(
+    capsys: pytest.CaptureFixture, local_home: Path
+) -> None:
+    (local_home / "lake" / "bronze").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--fresh", "--retrain-every", "often"])
+    assert exit_.value.code == EXIT_ERROR
+    assert "expected '<number> seconds|minutes|hours', not 'often'" in capsys.readouterr().err
+    assert (local_home / "lake" / "bronze").is_dir()  # --fresh deleted nothing
+
+
 def test_an_unexpected_error_is_one_line_naming_the_log_with_the_traceback(
     local_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
