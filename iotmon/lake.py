@@ -39,11 +39,23 @@ from the writing machine's clock and file times from the storage's, which may di
 
 
 def create_table(
-    spark: SparkSession, path: str, schema: StructType, comment: str, *, append_only: bool = False
+    spark: SparkSession,
+    path: str,
+    schema: StructType | Callable[[], StructType],
+    comment: str,
+    *,
+    append_only: bool = False,
 ) -> None:
     """Create a Delta table if it is missing. Unpartitioned on purpose: at this size Delta's file
-    statistics prune as well as partitions would, without a small-file problem per partition."""
-    builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).comment(comment)
+    statistics prune as well as partitions would, without a small-file problem per partition.
+
+    ``schema`` may be the function that derives it (a gold table's comes from planning the query that fills
+    it), called only for a missing table: Delta's ``createIfNotExists`` leaves an existing table as it is, so
+    a stream or drain starting on an existing lake only looks at each table's log (docs/cost-model.md)."""
+    if DeltaTable.isDeltaTable(spark, path):
+        return
+    columns = schema if isinstance(schema, StructType) else schema()
+    builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(columns).comment(comment)
     builder = builder.property("delta.checkpointInterval", str(CHECKPOINT_INTERVAL))
     if append_only:
         builder = builder.property("delta.appendOnly", "true")

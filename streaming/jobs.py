@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.types import StructType
 
 from iotmon.config import Settings, interval_seconds
 from iotmon.lake import BatchLedger, append_once, create_table, held, merge_once, planned_watermark, table_property
@@ -66,10 +67,19 @@ def ensure_analytics_tables(spark: SparkSession, settings: Settings) -> None:
         SITE_WINDOWS: "Final per-site and device-type tumbling window statistics, each written once.",
         DEVICE_SESSIONS: "Final per-device activity sessions (gap-based), each written once.",
     }
+
+    def schema_of(compute: Callable[[DataFrame, WindowSpec], DataFrame]) -> Callable[[], StructType]:
+        """The schema of what ``compute`` makes of silver: planned only if its table is missing."""
+        return lambda: compute(empty_silver(spark), spec).schema
+
     for table, compute in FINAL_TABLES.items():
-        create_table(spark, settings.table_path(table), compute(empty_silver(spark), spec).schema, comments[table])
-    live = tumbling_device_windows(empty_silver(spark), spec).schema
-    create_table(spark, settings.table_path(LIVE_WINDOWS), live, "Per-device tumbling windows, updated in place.")
+        create_table(spark, settings.table_path(table), schema_of(compute), comments[table])
+    create_table(
+        spark,
+        settings.table_path(LIVE_WINDOWS),
+        schema_of(tumbling_device_windows),
+        "Per-device tumbling windows, updated in place.",
+    )
     ensure_clock_table(spark, settings)
     ensure_device_status_tables(spark, settings)
     ensure_anomalies_table(spark, settings)

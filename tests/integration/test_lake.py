@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import LongType, StructField, StructType
 
-from iotmon.lake import BatchLedger, append_once, held, ledger_for, merge_once
+from iotmon.lake import BatchLedger, append_once, create_table, held, ledger_for, merge_once
 
 pytestmark = pytest.mark.integration
 
@@ -102,3 +103,20 @@ def test_a_failed_write_is_looked_up_again_before_the_next_attempt(spark: SparkS
     assert table not in ledger.committed
     assert append_once(frame, table, ledger, 1)
     assert len(_rows(spark, Path(table))) == 2
+
+
+def test_a_table_is_created_once_and_its_schema_derived_only_then(spark: SparkSession, tmp_path: Path) -> None:
+    derived: list[str] = []
+
+    def schema() -> StructType:
+        derived.append("planned")
+        return StructType([StructField("id", LongType())])
+
+    table = tmp_path / "t"
+    create_table(spark, str(table), schema, "made once")
+    assert derived == ["planned"] and spark.read.format("delta").load(str(table)).columns == ["id"]
+
+    # An existing table is left as it is, whatever schema is given, and a schema function is not called.
+    create_table(spark, str(table), schema, "made again")
+    create_table(spark, str(table), StructType([StructField("other", LongType())]), "made again")
+    assert derived == ["planned"] and spark.read.format("delta").load(str(table)).columns == ["id"]
