@@ -54,6 +54,7 @@ def create_table(
     a stream or drain starting on an existing lake only looks at each table's log (docs/cost-model.md)."""
     if DeltaTable.isDeltaTable(spark, path):
         return
+    remove_unfinished_creation(spark, path)
     columns = schema if isinstance(schema, StructType) else schema()
     builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(columns).comment(comment)
     builder = builder.property("delta.checkpointInterval", str(CHECKPOINT_INTERVAL))
@@ -307,6 +308,36 @@ def remove_unfinished_first_batch(spark: SparkSession, checkpoint: str) -> list[
     for name in names:
         fs.delete(spark.sparkContext._jvm.org.apache.hadoop.fs.Path(offsets, name), False)
     return names
+
+
+def remove_unfinished_creation(spark: SparkSession, path: str) -> list[str]:
+    """Delete what a crash while Delta created the table at ``path`` left in its log, which holds no commit.
+
+    Delta makes the log's directories first (``_delta_log``, ``_delta_log/_staged_commits``), then writes the
+    first commit as a hidden temp file and renames it. Killed in between, the log holds no version, and
+    ``createIfNotExists`` then fails on every start (``DELTA_TABLE_NOT_FOUND``: the directory says there is a
+    table, its log has none). With no commit there is nothing to lose: the table is created again. Only what such
+    a crash leaves is removed (hidden temp files, empty directories), and nothing if the log holds anything else.
+    Returns the names removed.
+    """
+    fs, log = _file_system(spark, f"{path.rstrip('/')}/_delta_log")
+    if not fs.exists(log):
+        return []
+
+    def leftover(status) -> bool:
+        """An empty directory Delta made, or the hidden temp file of a commit never renamed."""
+        if status.isDirectory():
+            return not fs.listStatus(status.getPath())
+        name = status.getPath().getName()
+        return name.startswith(".") and ".tmp" in name
+
+    statuses = list(fs.listStatus(log))
+    if not all(leftover(status) for status in statuses):
+        return []  # a commit, a checkpoint or anything else: not what a first commit's crash leaves
+    for status in statuses:
+        fs.delete(status.getPath(), False)
+    fs.delete(log, False)
+    return [status.getPath().getName() for status in statuses]
 
 
 def register_tables(spark: SparkSession, settings: Settings) -> list[str]:

@@ -10,7 +10,15 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StructField, StructType
 
-from iotmon.lake import BatchLedger, append_once, create_table, held, ledger_for, merge_once
+from iotmon.lake import (
+    BatchLedger,
+    append_once,
+    create_table,
+    held,
+    ledger_for,
+    merge_once,
+    remove_unfinished_creation,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -120,3 +128,23 @@ def test_a_table_is_created_once_and_its_schema_derived_only_then(spark: SparkSe
     create_table(spark, str(table), schema, "made again")
     create_table(spark, str(table), StructType([StructField("other", LongType())]), "made again")
     assert derived == ["planned"] and spark.read.format("delta").load(str(table)).columns == ["id"]
+
+
+def test_a_table_whose_creation_a_crash_interrupted_is_created_on_the_next_start(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    # What a kill between Delta's first `mkdirs` of the log and its first commit's rename leaves: the log's
+    # directories and, at worst, the commit's hidden temp file (and its checksum). Delta alone refuses such a
+    # path on every start (DELTA_TABLE_NOT_FOUND).
+    table = tmp_path / "t"
+    log = table / "_delta_log"
+    (log / "_staged_commits").mkdir(parents=True)
+    (log / ".00000000000000000000.json.0f1e2d3c.tmp").write_text('{"commitInfo":{}}')
+    (log / "..00000000000000000000.json.0f1e2d3c.tmp.crc").write_bytes(b"crc")
+    create_table(spark, str(table), StructType([StructField("id", LongType())]), "created after the crash")
+    assert spark.read.format("delta").load(str(table)).columns == ["id"]
+
+    # A table with a commit is never touched, whatever else its log holds.
+    (log / ".00000000000000000001.json.abcdef.tmp").write_text("{}")
+    assert remove_unfinished_creation(spark, str(table)) == []
+    assert spark.read.format("delta").load(str(table)).columns == ["id"]
