@@ -290,6 +290,12 @@ def write_text(spark: SparkSession, path: str, text: str | None) -> None:
         stream.close()
 
 
+def _is_temp_file(name: str) -> bool:
+    """A file Hadoop's writers (Spark's checkpoint files, Delta's log store) write before renaming it into place,
+    or its checksum: ``.<name>.<uuid>.tmp``, ``..<name>.<uuid>.tmp.crc``."""
+    return name.startswith(".") and (name.endswith(".tmp") or name.endswith(".tmp.crc"))
+
+
 def remove_unfinished_first_batch(spark: SparkSession, checkpoint: str) -> list[str]:
     """Delete what a crash during a query's very first offset write left in ``<checkpoint>/offsets``.
 
@@ -304,7 +310,7 @@ def remove_unfinished_first_batch(spark: SparkSession, checkpoint: str) -> list[
     names = [status.getPath().getName() for status in fs.listStatus(offsets)]
     if any(name.isdigit() for name in names):
         return []
-    names = [name for name in names if name.startswith(".") and (name.endswith(".tmp") or name.endswith(".tmp.crc"))]
+    names = [name for name in names if _is_temp_file(name)]
     for name in names:
         fs.delete(spark.sparkContext._jvm.org.apache.hadoop.fs.Path(offsets, name), False)
     return names
@@ -328,8 +334,7 @@ def remove_unfinished_creation(spark: SparkSession, path: str) -> list[str]:
         """An empty directory Delta made, or the hidden temp file of a commit never renamed."""
         if status.isDirectory():
             return not fs.listStatus(status.getPath())
-        name = status.getPath().getName()
-        return name.startswith(".") and ".tmp" in name
+        return _is_temp_file(status.getPath().getName())
 
     statuses = list(fs.listStatus(log))
     if not all(leftover(status) for status in statuses):
