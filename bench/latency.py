@@ -16,6 +16,10 @@ data files the log added (the project never vacuums), and a window's readings re
 offset order (one partition per device), so the reading that is the window's k-th by offset is counted from
 the first version whose ``readings`` is at least k.
 
+A device that goes silent (``offline_latency``) is measured from its last reading to the commit of its offline row in
+``device_status_changes`` (an append: a row's file is its commit), for every silence the simulator's ground
+truth scheduled that the run could see through; ``IOTMON_OFFLINE_AFTER`` of it is by design.
+
 A final window (``device_windows``) is written once, when the watermark has passed its end, and is
 measured from the window's end to its commit (``window_latency``): its figure includes ``IOTMON_WATERMARK``
 by design, and it is what a dashboard user waits for a minute's final row after the minute closes.
@@ -23,8 +27,12 @@ by design, and it is what a dashboard user waits for a minute's final row after 
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -36,10 +44,12 @@ from iotmon.schema import (
     ANOMALIES,
     BRONZE,
     DEVICE_ID,
+    DEVICE_STATUS_CHANGES,
     EVENT_TIME,
     LATE,
     LATENESS,
     LIVE_WINDOWS,
+    OFFLINE,
     ON_TIME,
     PARSE_ERROR,
     SEQ,
@@ -172,6 +182,76 @@ def window_latency(
     rows = with_data_file(spark.read.format("delta").load(settings.table_path(table)))
     commits = commit_times(spark, settings.table_path(table))
     return percentiles(visibility_latency(rows.where(_in_range(WINDOW_END, since, until)), commits, WINDOW_END), table)
+
+
+SILENCE_MATCH_S = 10.0
+"""How far before a scheduled silence's start the device's last reading may be (its reading interval, and a
+reading sent late that became its latest) for an offline row to answer that silence."""
+SETTLE_S = 30.0
+"""A silence must have been due offline this long before the fleet stopped to count as one the run could see
+through: the status query's watermark lags the newest event by its lateness, and its trigger comes on top."""
+
+
+def dropout_episodes(truth: Path) -> list[tuple[str, datetime]]:
+    """``(device_id, start)`` of every silence a simulator run scheduled (its ``.summary.json``), naive UTC."""
+    document = json.loads(truth.with_name(truth.name + ".summary.json").read_text())
+    return [(e["device_id"], datetime.fromisoformat(e["start"]).replace(tzinfo=None)) for e in document["dropouts"]]
+
+
+def offline_delays(
+    episodes: Iterable[tuple[str, datetime]],
+    offline_rows: Iterable[tuple[str, datetime, datetime]],
+    since: datetime,
+    until: datetime,
+    offline_after_s: float,
+    measured_at: datetime,
+) -> dict[str, Any]:
+    """Seconds from a silent device's last reading to the commit of its offline row, for each silence that
+    started in ``[since, until)`` and was due offline ``SETTLE_S`` before ``until`` (the fleet's stop); a
+    silence without an offline row counts as still waiting at ``measured_at`` (the figure is then a lower
+    bound, and ``missed`` says how many). ``offline_rows`` are ``(device_id, last_seen, committed_at)``. Pure."""
+    due = timedelta(seconds=offline_after_s + SETTLE_S)
+    rows: dict[str, list[tuple[datetime, datetime]]] = {}
+    for device, last_seen, committed_at in offline_rows:
+        rows.setdefault(device, []).append((last_seen, committed_at))
+    delays, missed = [], 0
+    for device, start in episodes:
+        if not (since <= start and start + due <= until):
+            continue
+        answers = [
+            (last_seen, committed_at)
+            for last_seen, committed_at in rows.get(device, [])
+            if start - timedelta(seconds=SILENCE_MATCH_S) <= last_seen <= start
+        ]
+        if answers:
+            last_seen, committed_at = max(answers)
+            delays.append((committed_at - last_seen).total_seconds())
+        else:
+            missed += 1
+            delays.append((measured_at - start).total_seconds())
+    delays.sort()
+    return {
+        "silences": len(delays),
+        "missed": missed,
+        "offline_after_s": offline_after_s,
+        "p50_s": round(delays[len(delays) // 2], 3) if delays else None,
+        "max_s": round(delays[-1], 3) if delays else None,
+    }
+
+
+def offline_latency(
+    spark: SparkSession, settings: Settings, truth: Path, since: datetime, until: datetime, measured_at: datetime
+) -> dict[str, Any]:
+    """Silence -> offline row, for the silences the fleet's ground truth ``truth`` scheduled (``offline_delays``)."""
+    path = settings.table_path(DEVICE_STATUS_CHANGES)
+    offline = with_data_file(spark.read.format("delta").load(path)).where(
+        (F.col("status") == OFFLINE) & (F.col("last_seen") >= F.lit(since - timedelta(seconds=SILENCE_MATCH_S)))
+    )
+    committed = offline.join(commit_times(spark, path), "data_file").select(DEVICE_ID, "last_seen", "committed_at")
+    rows = [(r[DEVICE_ID], r["last_seen"], r["committed_at"]) for r in committed.collect()]
+    return offline_delays(
+        dropout_episodes(truth), rows, since, until, interval_seconds(settings.offline_after), measured_at
+    )
 
 
 def render(results: list[Latency]) -> str:

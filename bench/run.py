@@ -9,9 +9,12 @@ user's lake is never touched, and all sharing one Spark session and the bench's 
 3. drain: the whole pipeline over that same backlog, query by query (available-now), then again over a lake of
    its own by the topology, as ``iotmon stream --until-idle`` drains;
 4. writes: one Delta append and one MERGE of a row per device, timed alone (what a sink of each kind costs);
-5. steady: a real-time fleet at a fraction of the drain's rate, latency percentiles read from the Delta logs;
-6. scale: a backlog per fleet size drained by every query at once, state and memory per size;
-7. training: ``iotmon train`` timed on archives of growing size.
+5. demo_rate: the demo's fleet in real time (500 events/s from 200 devices) into every query at once, beside a
+   periodic trainer and a dashboard page: the stream's CPU at the demo's rate;
+6. steady: the same at issue 17's steady rate (5,000 events/s from ``--devices``) for ten minutes: latency
+   percentiles read from the Delta logs, silent devices marked offline, each table's freshness over the run;
+7. scale: a backlog per fleet size drained by every query at once, state and memory per size;
+8. training: ``iotmon train`` timed on archives of growing size.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from bench.throughput import (
 from bench.training import champion_model, training_cost
 from bench.writes import write_costs
 from iotmon.config import Settings
+from pipeline.demo import DemoOptions
 from simulators.options import SimulationOptions
 from simulators.publish import write_device_registry
 
@@ -61,12 +65,20 @@ class BenchOptions:
     write_rounds: int = 20
     """Writes of each kind the writes phase times, after ``write_warmup`` untimed ones."""
     write_warmup: int = 10
-    steady_seconds: float = 60.0
-    steady_warmup: float = 60.0
-    """Seconds of publishing before the steady phase measures: the queries' start-up is not steady state."""
-    fraction: float = 0.5
-    steady_rate: float | None = None
-    """Events/s of the steady phase; default ``fraction`` x the drain's sustained rate."""
+    steady_rate: float = shaping.TARGET_STEADY_RATE
+    """Events/s of the steady phase, from ``devices`` devices (issue 17: 5,000 from 500)."""
+    steady_seconds: float = 600.0
+    """Seconds the steady phase measures (issue 17: ten minutes)."""
+    steady_warmup: float = 120.0
+    """Seconds of publishing before the steady and demo-rate phases measure: the queries' start-up is not steady
+    state."""
+    demo_rate_seconds: float = 240.0
+    """Seconds the demo-rate phase measures, at ``DemoOptions``' rate and fleet (issue 17's CPU target)."""
+    retrain_every_s: float | None = 300.0
+    """The trainer beside the stream in both phases retrains this long after each run (issue 17: 5 minutes);
+    None runs none."""
+    viewer: bool = True
+    """A dashboard page open beside the stream in both phases (``bench.viewer``)."""
     seed: int = 7
     out: Path | None = None
     skip: frozenset[str] = field(default_factory=frozenset)
@@ -80,10 +92,8 @@ class BenchOptions:
         sizes = (self.events, self.devices, self.scale_events, self.scale_batches, *self.scale, *self.train_sizes)
         if min(*sizes, self.write_rounds) < 1 or self.write_warmup < 0:
             raise ValueError("sizes must be positive")
-        if not 0 < self.fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], not {self.fraction}")
-        if "steady" not in self.skip and "drain" in self.skip and self.steady_rate is None:
-            raise ValueError("the steady phase runs at a fraction of the drain's rate: give --steady-rate or run drain")
+        if min(self.steady_rate, self.steady_seconds, self.demo_rate_seconds) <= 0 or self.steady_warmup < 0:
+            raise ValueError("the steady rate and the measured seconds must be positive, the warm-up not negative")
 
     def runs(self, part: str) -> bool:
         return part not in self.skip
@@ -185,7 +195,7 @@ def _phases(
     log(f"machine: {report['machine']['cores']} cores, output {out}")
     try:
         model_settings = settings_for("model")
-        if any(options.runs(p) for p in ("drain", "steady", "scale", "training")):
+        if any(options.runs(p) for p in ("drain", "demo_rate", "steady", "scale", "training")):
             log("model: a small archive through bronze and silver, then training a champion")
             with memory.phase("model"):
                 report["model"] = champion_model(spark, model_settings, options.seed, log)
@@ -237,27 +247,36 @@ def _phases(
             report["writes"] = write_costs(
                 spark, out / "writes", jvm_pid, options.devices, options.write_rounds, options.write_warmup, log
             )
-        if options.runs("steady"):
-            rate = options.steady_rate or options.fraction * report["drain"]["events_per_s"]
+        demo = DemoOptions()
+        steady_runs = (
+            ("demo_rate", demo.rate, demo.devices, options.demo_rate_seconds),
+            ("steady", options.steady_rate, options.devices, options.steady_seconds),
+        )
+        for part, rate, devices, seconds in steady_runs:
+            if not options.runs(part):
+                continue
+            beside = " beside a trainer and a dashboard page" if options.retrain_every_s and options.viewer else ""
             log(
-                f"steady: {rate:,.0f} events/s into every query at once, {options.steady_warmup:g}s of warm-up "
-                f"then {options.steady_seconds:g}s measured"
+                f"{part}: {rate:,.0f} events/s from {devices:,} devices into every query at once{beside}, "
+                f"{options.steady_warmup:g}s of warm-up then {seconds:g}s measured"
             )
-            with memory.phase("steady"):
+            with memory.phase(part):
                 steady = steady_state(
                     spark,
-                    settings_for("steady"),
+                    settings_for(part),
                     collector,
                     rate,
-                    options.steady_seconds,
-                    options.devices,
+                    seconds,
+                    devices,
                     options.seed,
                     log,
                     options.steady_warmup,
+                    options.retrain_every_s,
+                    options.viewer,
+                    part,
                 )
-            steady["fraction"] = None if options.steady_rate else options.fraction
-            steady["memory"] = memory.peaks("steady")
-            report["steady"] = steady
+            steady["memory"] = memory.peaks(part)
+            report[part] = steady
         if options.runs("scale"):
             report["scale"] = _scale(spark, options, settings_for, collector, memory, log)
         if options.runs("training"):

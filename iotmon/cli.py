@@ -401,10 +401,12 @@ def cmd_bench(settings: Settings, args: argparse.Namespace) -> int:
         scale_events=args.scale_events,
         train_sizes=args.train_sizes,
         write_rounds=args.write_rounds,
+        steady_rate=args.steady_rate,
         steady_seconds=args.steady_seconds,
         steady_warmup=args.steady_warmup,
-        fraction=args.fraction,
-        steady_rate=args.steady_rate,
+        demo_rate_seconds=args.demo_rate_seconds,
+        retrain_every_s=None if args.no_trainer else args.retrain_every,
+        viewer=not args.no_viewer,
         seed=args.seed,
         out=args.out,
         skip=frozenset(args.skip),
@@ -712,24 +714,39 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"appends and MERGEs the writes phase times, each (default {Defaults.write_rounds})",
     )
     parser.add_argument(
+        "--steady-rate",
+        type=float,
+        default=Defaults.steady_rate,
+        help=f"events/s of the steady phase, from --devices devices (default {Defaults.steady_rate:g})",
+    )
+    parser.add_argument(
         "--steady-seconds",
         type=float,
         default=Defaults.steady_seconds,
-        help=f"real-time publishing in the steady phase (default {Defaults.steady_seconds:g})",
+        help=f"seconds the steady phase measures (default {Defaults.steady_seconds:g})",
+    )
+    parser.add_argument(
+        "--demo-rate-seconds",
+        type=float,
+        default=Defaults.demo_rate_seconds,
+        help=f"seconds the demo-rate phase measures (default {Defaults.demo_rate_seconds:g})",
     )
     parser.add_argument(
         "--steady-warmup",
         type=float,
         default=Defaults.steady_warmup,
-        help=f"publishing before the steady phase measures: the queries' start-up (default {Defaults.steady_warmup:g})",
+        help="publishing before the steady and demo-rate phases measure: the queries' start-up "
+        f"(default {Defaults.steady_warmup:g})",
     )
     parser.add_argument(
-        "--fraction",
-        type=float,
-        default=Defaults.fraction,
-        help=f"steady rate as a share of the drain's sustained rate (default {Defaults.fraction:g})",
+        "--retrain-every",
+        type=_seconds,
+        default=Defaults.retrain_every_s,
+        help="how often the trainer beside the stream retrains in the steady and demo-rate phases "
+        f"(default {Defaults.retrain_every_s:g} seconds)",
     )
-    parser.add_argument("--steady-rate", type=float, help="steady rate in events/s (instead of --fraction)")
+    parser.add_argument("--no-trainer", action="store_true", help="no trainer beside the stream")
+    parser.add_argument("--no-viewer", action="store_true", help="no dashboard page open beside the stream")
     parser.add_argument("--seed", type=int, default=Defaults.seed, help=f"simulator seed (default {Defaults.seed})")
     parser.add_argument("--out", type=Path, help="output directory (default $IOTMON_HOME/bench/<timestamp>)")
     parser.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from bench.detectability import THRESHOLDS, anomalous_readings, ceilings, report
 from bench.detectability import main as detectability_main
 from bench.features import main as features_main
 from bench.features import synthetic_silver
-from bench.latency import Latency
+from bench.latency import SETTLE_S, Latency, offline_delays
 from bench.progress import BATCH_PHASES, ProgressCollector
 from bench.run import BenchOptions
 from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
@@ -39,6 +40,7 @@ from bench.system import (
 )
 from bench.throughput import behind
 from bench.training import copies_and_share
+from bench.viewer import GROWTH_LIMIT_S_PER_MIN, fastest_growth, freshness_sample, freshness_trend
 from iotmon.cli import build_parser
 from iotmon.processes import lower_priority, process_tree
 from iotmon.schema import SILVER_SCHEMA
@@ -231,22 +233,65 @@ def test_targets_are_judged_against_what_ran() -> None:
     # The path as `iotmon stream --until-idle` drains it, not the sum of its queries in turn (0.1).
     assert verdicts["drain, share of Spark's Kafka->noop ceiling"].measured == pytest.approx(0.125)
     assert verdicts["drain, share of Spark's Kafka->noop ceiling"].met is True
-    assert verdicts["p95 event->bronze"].met is True and "500 events/s" in verdicts["p95 event->bronze"].note
+    # Latency from the steady phase, which ran at another rate than the target's: the note says so.
+    assert verdicts["p95 event->bronze"].met is True and "2,000 events/s" in verdicts["p95 event->bronze"].note
     assert verdicts["p95 event->anomaly"].met is False  # 20 s
     assert verdicts["p95 event->live window"].measured is None  # no rows
-    assert verdicts["stream CPU"].measured == pytest.approx(0.7) and verdicts["stream CPU"].met is False
-    skipped = shaping.targets({**report, "steady": shaping.SKIPPED})
-    assert [t.met for t in skipped][1:] == [None] * 4
+    # A silence never marked offline counts as still waiting: a lower bound, over offline_after + 15 s.
+    offline = verdicts["silent device -> offline row"]
+    assert (offline.measured, offline.limit, offline.met) == (80.0, 75.0, False) and "1 never marked" in offline.note
+    growth = verdicts["tables' freshness growth, s a minute"]
+    assert growth.measured == pytest.approx(6.0) and growth.met is False and "silver" in growth.note
+    # The CPU from the demo's rate, the target's own: no note.
+    cpu = verdicts["stream CPU"]
+    assert cpu.measured == pytest.approx(0.7) and cpu.met is False and cpu.note == ""
+    skipped = shaping.targets({**report, "steady": shaping.SKIPPED, "demo_rate": shaping.SKIPPED})
+    assert [t.met for t in skipped][1:] == [None] * 6
     assert Target("x", "", 3.0, 2.0, at_most=True).met is False
 
 
-def _report() -> dict:
+def _steady(rate: float, devices: int) -> dict:
     latency = [
         Latency("bronze", 100, (0.5, 1.0, 1.5)).to_dict(),
         Latency("anomalies", 100, (5.0, 20.0, 30.0)).to_dict(),
         Latency("device_windows", 0, ()).to_dict(),
         Latency("device_windows_live", 0, ()).to_dict(),
     ]
+    return {
+        "mode": "concurrent",
+        "rate": rate,
+        "devices": devices,
+        "seconds": 10,
+        "caught_up": True,
+        "behind": [],
+        "latency": latency,
+        "stream_cpu": {
+            "seconds": 10.0,
+            "cpu_seconds": 7.0,
+            "cores": 0.7,
+            "parts": {"Spark tasks": 4.0, "JIT compiler": 2.0, "Python driver": 1.0},
+            "generated_classes": 40,
+        },
+        "queries": [
+            {
+                "name": "bronze",
+                "batches": 5,
+                "rows": 5000,
+                "batch_seconds": 4.0,
+                "mean_batch_s": 0.8,
+                "max_batch_s": 1.2,
+                "mean_phase_s": {"addBatch": 0.5, "walCommit": 0.1},
+            }
+        ],
+    }
+
+
+FRESHNESS = freshness_trend(
+    [{"at": 100.0 + 10 * i, "behind_kafka_s": {"silver": 5.0 + i, "alerts": 30.0 * i}} for i in range(7)], 100.0, 160.0
+)
+
+
+def _report() -> dict:
     return {
         "machine": machine_info("local[2]", meminfo=MEMINFO),
         "settings": {"started_at": "2026-11-22T10:00:00+00:00"},
@@ -286,31 +331,13 @@ def _report() -> dict:
             },
             "merge_to_append_cpu": 8.0,
         },
+        "demo_rate": _steady(500.0, 200),
         "steady": {
-            "mode": "concurrent",
-            "rate": 500.0,
-            "seconds": 10,
-            "caught_up": True,
-            "behind": [],
-            "latency": latency,
-            "stream_cpu": {
-                "seconds": 10.0,
-                "cpu_seconds": 7.0,
-                "cores": 0.7,
-                "parts": {"Spark tasks": 4.0, "JIT compiler": 2.0, "Python driver": 1.0},
-                "generated_classes": 40,
-            },
-            "queries": [
-                {
-                    "name": "bronze",
-                    "batches": 5,
-                    "rows": 5000,
-                    "batch_seconds": 4.0,
-                    "mean_batch_s": 0.8,
-                    "max_batch_s": 1.2,
-                    "mean_phase_s": {"addBatch": 0.5, "walCommit": 0.1},
-                }
-            ],
+            **_steady(2_000.0, 500),
+            "beside": {"retrain_every_s": 300.0, "viewer": True, "cpu_cores": {"trainer": 0.31, "viewer": 0.05}},
+            "offline": {"silences": 4, "missed": 1, "offline_after_s": 60.0, "p50_s": 70.0, "max_s": 80.0},
+            "freshness": FRESHNESS,
+            "fastest_growth": {"table": "silver", "s_per_min": 6.0},
         },
         "scale": {
             "mode": "concurrent",
@@ -347,6 +374,12 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
     for needle in ("machine: ", "Kafka consumer", "whole path by topology", "skipped (not ready)", "p95", "scale"):
         assert needle in text
     for needle in (
+        "the demo's rate at 500 events/s from 200 devices for 10s (concurrent); caught up",
+        "steady state at 2,000 events/s from 500 devices for 10s",
+        "beside the stream, cores: trainer 0.31, viewer 0.05 (the trainer every 300 s)",
+        "silent device -> offline row: 4 silences, 1 NEVER marked offline; p50 70.0 s, slowest 80.0 s",
+        "  silver                          5s     11s      8s     11s     6.00  GROWING",
+        "  alerts                          0s    180s     90s    180s   180.00  (not judged)",
         "stream CPU while publishing: 0.70 cores (7 s in 10 s; 5 batches, 1.40 s of CPU each, records included)",
         "where the cores went: Spark tasks 0.40, JIT compiler 0.20, Python driver 0.10",
         "Delta writes of 500 rows, one kind after the other (20 each timed after 10)",
@@ -378,11 +411,12 @@ def test_options_are_validated() -> None:
     BenchOptions().validate()
     with pytest.raises(ValueError, match="unknown part"):
         BenchOptions(skip=frozenset({"everything"})).validate()
-    with pytest.raises(ValueError, match="--steady-rate"):
-        BenchOptions(skip=frozenset({"drain"})).validate()
     with pytest.raises(ValueError, match="positive"):
         BenchOptions(write_rounds=0).validate()
-    BenchOptions(skip=frozenset({"drain"}), steady_rate=100.0).validate()
+    with pytest.raises(ValueError, match="positive"):
+        BenchOptions(steady_seconds=0).validate()
+    # The steady phase runs at its own rate: it needs no drain any more.
+    BenchOptions(skip=frozenset({"drain"})).validate()
 
 
 def test_bench_flags_parse() -> None:
@@ -443,3 +477,51 @@ def test_lower_priority_reaches_every_thread_of_a_child_process() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_freshness_trend_judges_the_tables_every_reading_moves() -> None:
+    samples = [
+        freshness_sample(1000.0 + 5 * i, {"bronze": None, "silver": None, "anomalies": None}, None) for i in range(2)
+    ]
+    # No answer from Kafka or a table yet: nothing to judge.
+    assert freshness_trend(samples, 0.0, 2000.0) == {}
+    samples = [
+        {"at": 1000.0 + 30 * i, "behind_kafka_s": {"bronze": 4.0 + (i % 2), "silver": 10.0 + 3 * i, "alerts": 20.0 * i}}
+        for i in range(10)
+    ] + [{"at": 5000.0, "behind_kafka_s": {"bronze": 900.0}}]  # after the window: left out
+    trend = freshness_trend(samples, 1000.0, 1270.0)
+    assert trend["bronze"]["samples"] == 10 and trend["bronze"]["max_s"] == 5.0
+    assert trend["bronze"]["growing"] is False and abs(trend["bronze"]["growth_s_per_min"]) < GROWTH_LIMIT_S_PER_MIN
+    assert trend["silver"]["growth_s_per_min"] == pytest.approx(6.0) and trend["silver"]["growing"] is True
+    assert trend["alerts"]["growing"] is None  # its newest event moves only with an incident
+    assert fastest_growth(trend) == ("silver", pytest.approx(6.0))
+    assert fastest_growth({"alerts": trend["alerts"]}) is None
+
+
+def test_offline_delays_count_each_silence_the_run_could_see_through() -> None:
+    def at(seconds: float) -> dt.datetime:
+        return dt.datetime(2026, 11, 28, 12, 0, 0) + dt.timedelta(seconds=seconds)
+
+    since, until, measured_at = at(0), at(600), at(900)
+    episodes = [
+        ("dev-1", at(100)),  # marked offline 70 s after its last reading (at 99.5)
+        ("dev-2", at(200)),  # never marked: still waiting at measured_at
+        ("dev-3", at(-50)),  # began before the measured window
+        ("dev-4", at(600 - 60 - SETTLE_S + 1)),  # due too close to the fleet's stop to be seen through
+        ("dev-5", at(300)),  # an offline row of an earlier silence does not answer it
+    ]
+    rows = [
+        ("dev-1", at(99.5), at(169.5)),
+        ("dev-3", at(-50.2), at(20.0)),
+        ("dev-5", at(100.0), at(170.0)),
+    ]
+    delays = offline_delays(episodes, rows, since, until, 60.0, measured_at)
+    assert delays == {
+        "silences": 3,
+        "missed": 2,
+        "offline_after_s": 60.0,
+        "p50_s": 600.0,
+        "max_s": 700.0,
+    }
+    assert offline_delays(episodes[:1], rows, since, until, 60.0, measured_at)["max_s"] == 70.0
+    assert offline_delays([], rows, since, until, 60.0, measured_at)["max_s"] is None

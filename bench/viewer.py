@@ -1,0 +1,147 @@
+"""A dashboard page left open, without a browser: the steady phase's dashboard load, and its freshness record.
+
+Issue 17 measures the steady state with the dashboard running, and an open page is what makes a dashboard cost
+anything: at every ``IOTMON_DASHBOARD_REFRESH`` its four sections (the fleet and events, one device's chart, the
+pipeline with every table's freshness, the models) read the lake through ``dashboard.app.Views``. This process
+does the same reads on the same schedule (the server's work for one page; not the rendering to JSON), and
+writes down what the pipeline section showed of each table's freshness: how far its newest event is behind the
+newest event in Kafka (``FRESHNESS_COLUMNS``). The bench reads those samples to tell whether a table fell behind
+over the run (``freshness_trend``): "lag 0" on the queries' side can hide a table that is minutes old.
+
+Run as ``python -m bench.viewer SAMPLES`` with the phase's ``IOTMON_*`` environment; SIGTERM or SIGINT stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from iotmon.config import Settings, interval_seconds
+from iotmon.schema import ALERTS, DEVICE_SESSIONS, DEVICE_STATUS_CHANGES, FRESHNESS_COLUMNS, METRICS
+
+EVENT_DRIVEN: frozenset[str] = frozenset({DEVICE_STATUS_CHANGES, ALERTS, DEVICE_SESSIONS})
+"""Tables whose newest event moves only when something happens (a status change, an incident, a session's end):
+their freshness grows between events by design, so a trend says nothing about keeping up."""
+GROWTH_LIMIT_S_PER_MIN = 1.0
+"""A table keeps up when its freshness grows by at most this over the run (least squares, seconds a minute): a
+stream that falls 1 % behind 5,000 events/s loses about 0.6 s of event time a minute, one that keeps up
+wobbles around a level set by its trigger."""
+
+
+def view(settings: Settings, samples: Path, stop: threading.Event) -> int:
+    """Refresh like an open page until ``stop``; one JSON line per refresh into ``samples``; refreshes made."""
+    from dashboard.app import Views
+    from dashboard.lake import LakeReader
+
+    views = Views(settings, LakeReader(settings))
+    refresh_s = interval_seconds(settings.dashboard_refresh)
+    metric, device, refreshes = METRICS[0].name, None, 0
+    with samples.open("a") as out:
+        while not stop.is_set():
+            started = time.monotonic()
+            _, _, choices, default = views.overview()
+            device = device if device in choices else default  # as the page keeps the operator's choice
+            views.device(device, metric)
+            views.pipeline()
+            views.models()
+            newest = {name: views.reader.newest(name, column) for name, column in FRESHNESS_COLUMNS.items()}
+            out.write(json.dumps(freshness_sample(time.time(), newest, views.kafka_newest())) + "\n")
+            out.flush()
+            refreshes += 1
+            stop.wait(max(0.0, refresh_s - (time.monotonic() - started)))
+    return refreshes
+
+
+def freshness_sample(at: float, newest: Mapping[str, datetime | None], kafka_newest: datetime | None) -> dict:
+    """One refresh's record: when (epoch seconds), and each table's seconds behind Kafka (None: unknown)."""
+    from iotmon.status import freshness
+
+    return {"at": at, "behind_kafka_s": {name: freshness(event, kafka_newest) for name, event in newest.items()}}
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    """The samples a viewer wrote (none if it never refreshed); a line cut by a kill is left out."""
+    if not path.exists():
+        return []
+    samples = []
+    for line in path.read_text().splitlines():
+        try:
+            samples.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return samples
+
+
+def freshness_trend(samples: Iterable[Mapping[str, Any]], since: float, until: float) -> dict[str, dict[str, Any]]:
+    """Per table, its freshness over the samples taken between ``since`` and ``until`` (epoch seconds): first,
+    last, max and mean seconds behind Kafka, and its growth in seconds a minute (the least-squares slope); a
+    table whose newest event moves with every reading is ``growing`` when that slope exceeds
+    ``GROWTH_LIMIT_S_PER_MIN``. Pure."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for sample in samples:
+        if since <= sample["at"] <= until:
+            for name, behind in sample["behind_kafka_s"].items():
+                if behind is not None:
+                    series.setdefault(name, []).append((sample["at"], behind))
+    trend = {}
+    for name, points in sorted(series.items()):
+        slope = _slope(points)
+        per_minute = None if slope is None else round(slope * 60.0, 3)
+        trend[name] = {
+            "samples": len(points),
+            "first_s": round(points[0][1], 1),
+            "last_s": round(points[-1][1], 1),
+            "max_s": round(max(b for _, b in points), 1),
+            "mean_s": round(sum(b for _, b in points) / len(points), 1),
+            "growth_s_per_min": per_minute,
+            "growing": None if name in EVENT_DRIVEN or per_minute is None else per_minute > GROWTH_LIMIT_S_PER_MIN,
+        }
+    return trend
+
+
+def fastest_growth(trend: Mapping[str, Mapping[str, Any]]) -> tuple[str, float] | None:
+    """The table (of those a trend is judged on) whose freshness grew fastest, and by how much a minute."""
+    judged = [(name, t["growth_s_per_min"]) for name, t in trend.items() if t["growing"] is not None]
+    return max(judged, key=lambda item: item[1]) if judged else None
+
+
+def _slope(points: list[tuple[float, float]]) -> float | None:
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_b = sum(b for _, b in points) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    if spread == 0:
+        return None
+    return sum((t - mean_t) * (b - mean_b) for t, b in points) / spread
+
+
+def main(argv: list[str] | None = None) -> int:
+    from iotmon import logs
+    from ml.registry import import_mlflow
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m bench.viewer SAMPLES.jsonl (settings from IOTMON_*)", file=sys.stderr)
+        return 2
+    settings = Settings.from_env()
+    logs.setup(settings, "viewer")
+    import_mlflow()  # the model section reads MLflow; its first import is not thread-safe
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    refreshes = view(settings, Path(args[0]), stop)
+    print(f"viewer: {refreshes} refreshes, stopped at {datetime.now(UTC):%H:%M:%S}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
