@@ -218,7 +218,10 @@ def _watermarks(consumer: Consumer, topic: str, partition: int, deadline: float)
 def newest_event_time(settings: Settings, per_partition: int = 20, timeout: float = 10.0) -> datetime | None:
     """The newest event time among the last ``per_partition`` records of each partition of the readings
     topic: what every table's freshness is measured against. Records without a readable event time (the
-    malformed ones) are passed over; None when the topic holds no readable reading."""
+    malformed ones) are passed over, and so are those whose event time the archive would quarantine as absurd
+    (``plausible``): one reading stamped a century ahead would otherwise put every table centuries behind; None
+    when the topic holds no readable reading."""
+    earliest = as_utc(datetime.fromisoformat(settings.min_event_time))
     consumer = _reader(settings, "iotmon-status")
     try:
         wanted, remaining = [], 0
@@ -237,13 +240,26 @@ def newest_event_time(settings: Settings, per_partition: int = 20, timeout: floa
             remaining -= len(records)
             for record in records:
                 moment = event_time_of(record.value()) if record.error() is None else None
-                if moment is not None and (newest is None or moment > newest):
+                if moment is None or not plausible(moment, record.timestamp()[1], earliest, settings):
+                    continue
+                if newest is None or moment > newest:
                     newest = moment
         return newest
     except KafkaException as exc:
         raise _unavailable(settings, exc) from None
     finally:
         consumer.close()
+
+
+def plausible(moment: datetime, sent_ms: int, earliest: datetime, settings: Settings) -> bool:
+    """Whether an event time passes the archive's check (``ingest.bronze``'s ``absurd_event_time``): not before
+    ``IOTMON_MIN_EVENT_TIME``, nor more than ``IOTMON_MAX_CLOCK_SKEW_SECONDS`` after the record reached Kafka
+    (``sent_ms``, the record's timestamp; a record without one is judged on the first bound only). Pure."""
+    if moment < earliest:
+        return False
+    if sent_ms <= 0:
+        return True
+    return moment.timestamp() <= sent_ms / 1000 + settings.max_clock_skew_seconds
 
 
 def event_time_of(payload: bytes | None) -> datetime | None:

@@ -267,12 +267,16 @@ def test_status_sets_each_table_against_the_newest_event_in_kafka(
     newest = datetime(2026, 11, 25, 14, 0, 30, 250000, tzinfo=UTC)
     producer = make_producer(isolated)
     # More records than status reads at the end of each partition; the newest reading is not the last one
-    # sent, and malformed records are mixed in.
+    # sent, and malformed records are mixed in: unreadable ones, and readings whose event time the archive
+    # quarantines as absurd (centuries ahead, or before any sensor ran).
     ages = [*range(60, 3, -1), 0, 3, 2, 1]
     for i, age in enumerate(ages):
         moment = newest - timedelta(seconds=age)
         producer.produce(isolated.topic, key=f"dev-{i % 5}", value=json.dumps({"event_time": moment.isoformat()}))
         producer.produce(isolated.topic, key=f"dev-{i % 5}", value=b"not json")
+    for absurd in ("2999-11-25T14:00:30Z", "1970-01-01T00:00:00Z"):
+        for device in range(5):
+            producer.produce(isolated.topic, key=f"dev-{device}", value=json.dumps({"event_time": absurd}))
     assert producer.flush(30) == 0
     assert newest_event_time(isolated) == newest
     times = pa.array([newest - timedelta(seconds=12)], pa.timestamp("us", "UTC"))
