@@ -255,7 +255,9 @@ def _phases(
         for part, rate, devices, seconds in steady_runs:
             if not options.runs(part):
                 continue
-            beside = " beside a trainer and a dashboard page" if options.retrain_every_s and options.viewer else ""
+            wanted = (("a trainer", options.retrain_every_s), ("a dashboard page", options.viewer))
+            company = [name for name, on in wanted if on]
+            beside = f" beside {' and '.join(company)}" if company else ""
             log(
                 f"{part}: {rate:,.0f} events/s from {devices:,} devices into every query at once{beside}, "
                 f"{options.steady_warmup:g}s of warm-up then {seconds:g}s measured"

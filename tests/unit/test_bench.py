@@ -494,6 +494,10 @@ def test_freshness_trend_judges_the_tables_every_reading_moves() -> None:
     assert trend["bronze"]["growing"] is False and abs(trend["bronze"]["growth_s_per_min"]) < GROWTH_LIMIT_S_PER_MIN
     assert trend["silver"]["growth_s_per_min"] == pytest.approx(6.0) and trend["silver"]["growing"] is True
     assert trend["alerts"]["growing"] is None  # its newest event moves only with an incident
+    # A table written once a minute: its freshness a 60-s saw tooth, which a line fitted over four minutes
+    # would tilt by seconds a minute; its peaks are level, so it keeps up.
+    tooth = [{"at": float(t), "behind_kafka_s": {"device_windows": 120.0 + (t + 40) % 60}} for t in range(0, 240, 5)]
+    assert freshness_trend(tooth, 0.0, 240.0)["device_windows"]["growing"] is False
     assert fastest_growth(trend) == ("silver", pytest.approx(6.0))
     assert fastest_growth({"alerts": trend["alerts"]}) is None
 
