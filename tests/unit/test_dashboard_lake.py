@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 from deltalake import write_deltalake
 
-from dashboard.lake import LakeReader, is_true
+from dashboard.lake import REMEMBERED_QUESTIONS, LakeReader, is_true
 from dashboard.models import read_model_history
 from iotmon.config import Settings
 from iotmon.schema import SILVER
@@ -88,3 +88,52 @@ def test_no_model_history_before_the_first_training_run_and_nothing_created(tmp_
     settings = Settings.from_env({}, home=tmp_path)
     assert read_model_history(settings) is None
     assert not settings.mlflow_home.exists()
+
+
+def test_reads_and_counts_over_a_lookback_take_each_file_once_and_equal_a_full_read(tmp_path: Path) -> None:
+    """A refresh reads (or counts) the files wholly inside the window once (a data file never changes), filters
+    only those the window's start cuts through, and forgets the files the window has left."""
+    reader = LakeReader(Settings.from_env({}, home=tmp_path / "a home with spaces"))  # a file URI quotes them
+    path = reader.settings.table_path(SILVER)
+    write_deltalake(path, _readings([0, 1, 2]))
+    write_deltalake(path, _readings([28, 31, 33], lateness="late"), mode="append")  # cut by a start at 30
+    write_deltalake(path, _readings([40, 41]), mode="append")
+
+    def full_count(start: datetime) -> dict[str, int]:
+        rows = reader.read(SILVER, ["event_time", "lateness"])
+        return rows[rows["event_time"] >= start]["lateness"].value_counts().to_dict()
+
+    def full_read(start: datetime, device: str) -> list[datetime]:
+        rows = reader.read(SILVER, ["device_id", "event_time"])
+        return sorted(rows[(rows["event_time"] >= start) & (rows["device_id"] == device)]["event_time"])
+
+    write_deltalake(path, _readings([35, 36], device="b"), mode="append")
+    for minute in (30, 0, 45, 30):
+        since = ("event_time", T0 + timedelta(minutes=minute))
+        assert reader.counts(SILVER, "lateness", since=since).to_dict() == full_count(since[1]), minute
+        for device in ("a", "b"):
+            only = ds.field("device_id") == device
+            read = reader.read(SILVER, ["device_id", "event_time"], since=since, where=only)
+            assert sorted(read["event_time"]) == full_read(since[1], device), (minute, device)
+    since = ("event_time", T0 + timedelta(minutes=30))
+    assert reader.counts(SILVER, "lateness", since=since).to_dict() == {"late": 2, "on_time": 4}
+    remembered = reader._remembered[(SILVER, ("counts", "lateness"))]
+    assert len(remembered) == 2  # minutes 35-36 and 40-41; the file the start cuts through is never kept
+
+    write_deltalake(path, _readings([50], lateness="too_late"), mode="append")
+    assert reader.counts(SILVER, "lateness", since=since).to_dict() == {"late": 2, "on_time": 4, "too_late": 1}
+    assert len(remembered) == 3
+    later = ("event_time", T0 + timedelta(minutes=45))
+    assert reader.counts(SILVER, "lateness", since=later).to_dict() == {"too_late": 1}
+    assert len(remembered) == 1  # the window has left the files of minutes 35-41
+    assert reader.counts(SILVER, "lateness").to_dict() == {"on_time": 7, "late": 3, "too_late": 1}
+
+
+def test_what_is_remembered_per_file_is_bounded_by_the_reads_asked_lately(tmp_path: Path) -> None:
+    reader = LakeReader(Settings.from_env({}, home=tmp_path))
+    write_deltalake(reader.settings.table_path(SILVER), _readings([40, 41]))
+    since = ("event_time", T0 + timedelta(minutes=30))
+    for device in range(REMEMBERED_QUESTIONS + 5):  # an operator clicking through the fleet
+        reader.read(SILVER, ["event_time"], since=since, where=ds.field("device_id") == f"dev-{device}")
+    assert len(reader._remembered) == REMEMBERED_QUESTIONS
+    assert len(reader.read(SILVER, ["event_time"], since=since, where=ds.field("device_id") == "a")) == 2
