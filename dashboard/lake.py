@@ -3,10 +3,10 @@
 Tables are opened once and brought up to date incrementally on each refresh (only new log entries are
 read). Big tables are read through a lower bound on their time column, which delta-rs turns into file
 pruning by the files' min/max statistics, so a refresh costs the same on day one and day one hundred;
-every read is capped in rows as well. Counts over a lookback are kept per data file (a Delta data file never
-changes): a refresh counts only the files written since the last one and those the lookback's start cuts
-through. A missing table (the stream has not created it yet) reads as an empty frame with the requested
-columns.
+every read is capped in rows as well. On a local lake, what a read or a count over the lookback finds in each
+data file is kept (a Delta data file never changes): a refresh reads only the files written since the last one
+and those the lookback's start cuts through. A missing table (the stream has not created it yet) reads as an
+empty frame with the requested columns.
 """
 
 from __future__ import annotations
@@ -87,8 +87,11 @@ class LakeReader:
     def _split(self, table: Any, since: tuple[str, datetime] | None) -> tuple[list[str], list[str]] | None:
         """The data files (absolute paths) a window ``since`` holds wholly, by their statistics, and those its start
         cuts through (or without statistics); None when the table is to be read whole through delta-rs: no
-        window, or deletion vectors (a file's rows may go)."""
-        if since is None or "deletionVectors" in (table.protocol().reader_features or []):
+        window, a lake in an object store (delta-rs holds its credentials), or deletion vectors (a file's rows
+        may go)."""
+        if since is None or not table.table_uri.startswith("file://"):
+            return None
+        if "deletionVectors" in (table.protocol().reader_features or []):
             return None
         column, start = since
         actions = pa.table(table.get_add_actions(flatten=True))
