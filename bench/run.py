@@ -8,7 +8,8 @@ user's lake is never touched, and all sharing one Spark session and the bench's 
 2. ceilings: a backlog published to the drain topic, then read by a plain consumer and by Spark into noop;
 3. drain: the whole pipeline over that same backlog, query by query (available-now), then again over a lake of
    its own by the topology, as ``iotmon stream --until-idle`` drains;
-4. writes: one Delta append and one MERGE of a row per device, timed alone (what a sink of each kind costs);
+4. writes: one Delta append and one MERGE (the project's, and Spark's for reference) of a row per device, timed
+   alone (what a sink of each kind costs);
 5. demo_rate: the demo's fleet in real time (500 events/s from 200 devices) into every query at once, beside a
    periodic trainer and a dashboard page: the stream's CPU at the demo's rate;
 6. steady: the same at issue 17's steady rate (5,000 events/s from ``--devices``) for ten minutes: latency
@@ -243,7 +244,7 @@ def _phases(
             drained["by_topology"]["ceiling_share"] = ratio(drained["by_topology"]["events_per_s"], ceiling)
             report["drain"] = drained
         if options.runs("writes"):
-            log(f"writes: a Delta append and a MERGE of {options.devices:,} rows, {options.write_rounds} of each timed")
+            log(f"writes: Delta appends and MERGEs of {options.devices:,} rows, {options.write_rounds} of each timed")
             report["writes"] = write_costs(
                 spark, out / "writes", jvm_pid, options.devices, options.write_rounds, options.write_warmup, log
             )

@@ -2,15 +2,18 @@
 
 The stream writes its tables two ways: it appends (bronze, quarantine, silver, the scores, the status changes)
 and it MERGEs by key (live windows, device status and alerts keep one row per window, device or incident).
-Each kind is timed here through the project's own exactly-once writers (``iotmon.lake.append_once``,
-``merge_once``), alone and one after the other, on a table of one row per device (the MERGE targets' size):
-the CPU of the Spark JVM and the commands it ran and reaped (``/proc``; a Delta write runs no Python worker) and
-the wall time per write, after a warm-up.
+Each kind is timed here through the project's own exactly-once writers (``iotmon.lake.append_once``, a Spark
+append, and ``merge_once``, a delta-rs MERGE in this process), and beside them Spark's MERGE of the same rows,
+the stream's until 2026-11-28, as the reference the project's MERGE is measured against, one after the other
+on a table of one row per device (the MERGE targets' size): the CPU of the Spark JVM, the commands it ran and
+reaped (``/proc``; a Delta write runs no Python worker) and this Python process (where delta-rs runs), and the
+wall time per write, after a warm-up.
 
-A MERGE has to know the files of its target, and delta-spark 4.4 finds them by rebuilding the table's snapshot
+A MERGE has to know the files of its target. delta-spark 4.4 finds them by rebuilding the table's snapshot
 state: a log replay in Spark jobs whose tasks generate code for Delta's wide action schema (docs/cost-model.md,
-"The MERGE tax"). An append needs no file list. The ratio of the two, measured in the same run, is what a
-MERGE-per-batch sink costs against an append-only one, whatever the host's speed.
+"The MERGE tax"); delta-rs reads the commits since its last look. An append needs no file list. The ratios,
+measured in the same run, are what a MERGE-per-batch sink costs against an append-only one, and Spark's MERGE
+against the project's, whatever the host's speed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
@@ -31,7 +35,10 @@ from iotmon.schema import DEVICE_ID
 
 APPEND = "append"
 MERGE = "merge"
-WRITE_KINDS: tuple[str, ...] = (APPEND, MERGE)
+SPARK_MERGE = "spark_merge"
+WRITE_KINDS: tuple[str, ...] = (APPEND, MERGE, SPARK_MERGE)
+COMMIT_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+"""The session setting a Spark MERGE (which takes no write options) commits as its ``userMetadata``."""
 WRITES_SCHEMA = StructType(
     [StructField(DEVICE_ID, StringType()), StructField("round", LongType()), StructField("value", DoubleType())]
 )
@@ -43,12 +50,29 @@ def round_rows(spark: SparkSession, devices: int, round_id: int) -> DataFrame:
     return spark.createDataFrame(rows, WRITES_SCHEMA)
 
 
+def spark_merge(frame: DataFrame, path: str, tag: str) -> None:
+    """Spark's MERGE of ``frame`` into the table at ``path`` on the device, tagged as ``merge_once`` tags."""
+    session = frame.sparkSession
+    merge = DeltaTable.forPath(session, path).alias("t").merge(frame.alias("s"), f"t.{DEVICE_ID} = s.{DEVICE_ID}")
+    session.conf.set(COMMIT_METADATA, tag)
+    try:
+        merge.whenMatchedUpdateAll().whenNotMatchedInsertAll().execute()
+    finally:
+        session.conf.unset(COMMIT_METADATA)
+
+
 def _write(kind: str, frame: DataFrame, path: str, ledger: BatchLedger, round_id: int) -> None:
     if kind == APPEND:
         append_once(frame, path, ledger, round_id)
+    elif kind == MERGE:
+        merge_once(frame, path, f"t.{DEVICE_ID} = s.{DEVICE_ID}", ledger, round_id)
     else:
-        same_device = F.col(f"t.{DEVICE_ID}") == F.col(f"s.{DEVICE_ID}")
-        merge_once(frame, path, same_device, ledger, round_id, update=True)
+        ledger.write(frame.sparkSession, path, round_id, lambda tag: spark_merge(frame, path, tag))
+
+
+def _cpu_seconds(jvm_pid: int) -> float:
+    """The Spark JVM's CPU with its reaped children, and this process's (the Python driver, delta-rs)."""
+    return reaped_cpu_seconds(jvm_pid) + time.process_time()
 
 
 def write_costs(
@@ -64,10 +88,10 @@ def write_costs(
     for round_id in range(warmup + rounds):
         for kind in WRITE_KINDS:
             frame = round_rows(spark, devices, round_id)
-            cpu, wall = reaped_cpu_seconds(jvm_pid), time.monotonic()
+            cpu, wall = _cpu_seconds(jvm_pid), time.monotonic()
             _write(kind, frame, paths[kind], ledgers[kind], round_id)
             if round_id >= warmup:
-                measured[kind].append((reaped_cpu_seconds(jvm_pid) - cpu, time.monotonic() - wall))
+                measured[kind].append((_cpu_seconds(jvm_pid) - cpu, time.monotonic() - wall))
     kinds: dict[str, dict[str, Any]] = {}
     for kind in WRITE_KINDS:
         written = spark.read.format("delta").load(paths[kind])
@@ -80,16 +104,16 @@ def write_costs(
             "devices": last[2],
             "last_round": last[1],
         }
-    share = ratio(kinds[MERGE]["cpu_s"], kinds[APPEND]["cpu_s"])
+    merge_share = ratio(kinds[MERGE]["cpu_s"], kinds[APPEND]["cpu_s"])
+    spark_share = ratio(kinds[SPARK_MERGE]["cpu_s"], kinds[MERGE]["cpu_s"])
     report = {
         "devices": devices,
         "rounds": rounds,
         "warmup": warmup,
         "kinds": kinds,
-        "merge_to_append_cpu": None if share is None else round(share, 2),
+        "merge_to_append_cpu": None if merge_share is None else round(merge_share, 2),
+        "spark_merge_to_merge_cpu": None if spark_share is None else round(spark_share, 2),
     }
-    log(
-        f"writes: append {kinds[APPEND]['cpu_s']:.2f} s of CPU ({kinds[APPEND]['wall_s']:.2f} s wall), "
-        f"MERGE {kinds[MERGE]['cpu_s']:.2f} s ({kinds[MERGE]['wall_s']:.2f} s wall) per write of {devices:,} rows"
-    )
+    each = ", ".join(f"{kind} {row['cpu_s']:.2f} s of CPU ({row['wall_s']:.2f} s wall)" for kind, row in kinds.items())
+    log(f"writes: {each} per write of {devices:,} rows")
     return report

@@ -476,8 +476,7 @@ def alerts_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
         with held(batch) as rows:
             if rows == 0:
                 return
-            same_alert = F.col("t.alert_id") == F.col("s.alert_id")
-            merge_once(latest_alerts(batch), path, same_alert, ledger, batch_id, update=True)
+            merge_once(latest_alerts(batch), path, "t.alert_id = s.alert_id", ledger, batch_id)
 
     return write
 

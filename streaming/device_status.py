@@ -575,8 +575,7 @@ def status_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
             if rows == 0:
                 return
             append_once(changes_of(batch), changes_path, ledger, batch_id)
-            same_device = F.col(f"t.{DEVICE_ID}") == F.col(f"s.{DEVICE_ID}")
-            merge_once(latest_status(batch), status_path, same_device, ledger, batch_id, update=True)
+            merge_once(latest_status(batch), status_path, f"t.{DEVICE_ID} = s.{DEVICE_ID}", ledger, batch_id)
 
     return write
 

@@ -182,14 +182,13 @@ def write_live_batch(settings: Settings, ledger: BatchLedger) -> BatchWriter:
         with held(batch) as rows:
             if rows == 0:
                 return
-            first = batch.agg(F.min("window_start")).first()
+            # The batch's oldest window, in UTC (the session's zone), bounds the files the MERGE reads.
+            first = batch.agg(F.date_format(F.min("window_start"), "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX")).first()
             assert first is not None
             condition = (
-                (F.col("t.window_start") >= F.lit(first[0]))
-                & (F.col("t.window_start") == F.col("s.window_start"))
-                & (F.col("t.device_id") == F.col("s.device_id"))
+                f"t.window_start >= '{first[0]}' AND t.window_start = s.window_start AND t.device_id = s.device_id"
             )
-            merge_once(batch, path, condition, ledger, batch_id, update=True)
+            merge_once(batch, path, condition, ledger, batch_id)
 
     return write
 

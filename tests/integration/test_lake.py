@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StructField, StructType
 
 from iotmon.lake import (
@@ -88,16 +87,13 @@ def test_merge_is_tagged_and_skipped_on_replay(spark: SparkSession, tmp_path: Pa
     table = str(tmp_path / "t")
     spark.createDataFrame([(1, "a")], "id long, v string").write.format("delta").save(table)
     update = spark.createDataFrame([(1, "A"), (2, "b")], "id long, v string")
-    same = F.col("t.id") == F.col("s.id")
-    assert merge_once(update, table, same, ledger_for("merger"), 7, update=True)
+    assert merge_once(update, table, "t.id = s.id", ledger_for("merger"), 7)
     changed = spark.createDataFrame([(1, "wrong")], "id long, v string")
     # A replay of batch 7 by the same writer after a restart: the table holds it already.
-    assert not merge_once(changed, table, same, ledger_for("merger"), 7, update=True)
+    assert not merge_once(changed, table, "t.id = s.id", ledger_for("merger"), 7)
     assert _rows(spark, Path(table)) == [(1, "A"), (2, "b")]
     history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").where("operation = 'MERGE'").first()
     assert json.loads(history.userMetadata) == {"app": "merger", "batch": 7}
-    # The session's commit metadata is not left behind for the next, untagged command.
-    assert spark.conf.get("spark.databricks.delta.commitInfo.userMetadata", None) is None
 
 
 def test_a_failed_write_is_looked_up_again_before_the_next_attempt(spark: SparkSession, tmp_path: Path) -> None:

@@ -328,8 +328,10 @@ def _report() -> dict:
             "kinds": {
                 "append": {"cpu_s": 0.16, "wall_s": 0.15, "rows": 15_000, "devices": 500, "last_round": 29},
                 "merge": {"cpu_s": 1.28, "wall_s": 0.9, "rows": 500, "devices": 500, "last_round": 29},
+                "spark_merge": {"cpu_s": 25.6, "wall_s": 1.2, "rows": 500, "devices": 500, "last_round": 29},
             },
             "merge_to_append_cpu": 8.0,
+            "spark_merge_to_merge_cpu": 20.0,
         },
         "demo_rate": _steady(500.0, 200),
         "steady": {
@@ -384,7 +386,7 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
         "where the cores went: Spark tasks 0.40, JIT compiler 0.20, Python driver 0.10",
         "Delta writes of 500 rows, one kind after the other (20 each timed after 10)",
         "  merge                     1.28 s CPU     0.90 s wall",
-        "a MERGE costs 8.0 x an append's CPU",
+        "a MERGE costs 8.0 x an append's CPU; Spark's MERGE 20.0 x the project's (delta-rs)",
         "in batches",
         "classes generated and compiled meanwhile: 40, 8.0 per batch",
         "a batch's phases, mean seconds",
