@@ -65,7 +65,7 @@ def _write(kind: str, frame: DataFrame, path: str, ledger: BatchLedger, round_id
     if kind == APPEND:
         append_once(frame, path, ledger, round_id)
     elif kind == MERGE:
-        merge_once(frame, path, f"t.{DEVICE_ID} = s.{DEVICE_ID}", ledger, round_id)
+        merge_once(frame, path, (DEVICE_ID,), ledger, round_id)
     else:
         ledger.write(frame.sparkSession, path, round_id, lambda tag: spark_merge(frame, path, tag))
 

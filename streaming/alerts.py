@@ -476,7 +476,7 @@ def alerts_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
         with held(batch) as rows:
             if rows == 0:
                 return
-            merge_once(latest_alerts(batch), path, "t.alert_id = s.alert_id", ledger, batch_id)
+            merge_once(latest_alerts(batch), path, ("alert_id",), ledger, batch_id)
 
     return write
 

@@ -575,7 +575,7 @@ def status_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
             if rows == 0:
                 return
             append_once(changes_of(batch), changes_path, ledger, batch_id)
-            merge_once(latest_status(batch), status_path, f"t.{DEVICE_ID} = s.{DEVICE_ID}", ledger, batch_id)
+            merge_once(latest_status(batch), status_path, (DEVICE_ID,), ledger, batch_id)
 
     return write
 

@@ -182,13 +182,7 @@ def write_live_batch(settings: Settings, ledger: BatchLedger) -> BatchWriter:
         with held(batch) as rows:
             if rows == 0:
                 return
-            # The batch's oldest window, in UTC (the session's zone), bounds the files the MERGE reads.
-            first = batch.agg(F.date_format(F.min("window_start"), "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX")).first()
-            assert first is not None
-            condition = (
-                f"t.window_start >= '{first[0]}' AND t.window_start = s.window_start AND t.device_id = s.device_id"
-            )
-            merge_once(batch, path, condition, ledger, batch_id)
+            merge_once(batch, path, ("window_start", "device_id"), ledger, batch_id)
 
     return write
 

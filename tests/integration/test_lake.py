@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from deltalake import DeltaTable as RustDeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql.types import LongType, StructField, StructType
 
@@ -87,13 +90,64 @@ def test_merge_is_tagged_and_skipped_on_replay(spark: SparkSession, tmp_path: Pa
     table = str(tmp_path / "t")
     spark.createDataFrame([(1, "a")], "id long, v string").write.format("delta").save(table)
     update = spark.createDataFrame([(1, "A"), (2, "b")], "id long, v string")
-    assert merge_once(update, table, "t.id = s.id", ledger_for("merger"), 7)
+    assert merge_once(update, table, ("id",), ledger_for("merger"), 7)
     changed = spark.createDataFrame([(1, "wrong")], "id long, v string")
     # A replay of batch 7 by the same writer after a restart: the table holds it already.
-    assert not merge_once(changed, table, "t.id = s.id", ledger_for("merger"), 7)
+    assert not merge_once(changed, table, ("id",), ledger_for("merger"), 7)
     assert _rows(spark, Path(table)) == [(1, "A"), (2, "b")]
-    history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").where("operation = 'MERGE'").first()
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").where("version = 1").first()
     assert json.loads(history.userMetadata) == {"app": "merger", "batch": 7}
+    assert spark.sql(f"DESCRIBE HISTORY delta.`{table}`").count() == 2  # one commit, the replay skipped
+
+
+def test_a_merge_rewrites_only_the_files_holding_its_keys(spark: SparkSession, tmp_path: Path) -> None:
+    # A table of live windows: a row per (window, device), the windows of each batch in a file of their own.
+    table = str(tmp_path / "windows")
+    schema = "window_start timestamp not null, device_id string not null, readings long, mean double"
+    create_table(spark, table, spark.createDataFrame([], schema).schema, "windows")
+    ledger = ledger_for("windows")
+    minute = [datetime(2026, 11, 28, 12, m) for m in range(3)]
+    first = [(minute[0], "dev-a", 3, 1.5), (minute[0], "dev-b", 2, 2.5)]
+    second = [(minute[1], "dev-a", 1, 9.0), (minute[1], "dev-b", 4, float("nan"))]
+    assert merge_once(spark.createDataFrame(first, schema), table, ("window_start", "device_id"), ledger, 0)
+    assert merge_once(spark.createDataFrame(second, schema), table, ("window_start", "device_id"), ledger, 1)
+    # A late reading corrects dev-a's second window; dev-c's is new; nothing of the first window changes.
+    third = [(minute[1], "dev-a", 2, 8.0), (minute[2], "dev-c", 1, 4.0)]
+    assert merge_once(spark.createDataFrame(third, schema), table, ("window_start", "device_id"), ledger, 2)
+
+    written = spark.read.format("delta").load(table).collect()
+    rows = {(r.window_start, r.device_id): (r.readings, r.mean) for r in written}
+    assert sorted(rows) == [
+        (minute[0], "dev-a"),
+        (minute[0], "dev-b"),
+        (minute[1], "dev-a"),
+        (minute[1], "dev-b"),
+        (minute[2], "dev-c"),
+    ]
+    assert rows[(minute[0], "dev-a")] == (3, 1.5) and rows[(minute[1], "dev-a")] == (2, 8.0)
+    assert rows[(minute[1], "dev-b")][0] == 4 and math.isnan(rows[(minute[1], "dev-b")][1])  # kept as it was
+    assert rows[(minute[2], "dev-c")] == (1, 4.0)
+    log = [json.loads(line) for line in (Path(table) / "_delta_log" / f"{3:020d}.json").read_text().splitlines()]
+    removed = [a["remove"]["path"] for a in log if "remove" in a]
+    added = [a["add"] for a in log if "add" in a]
+    second_file = [
+        json.loads(line)["add"]["path"]
+        for line in (Path(table) / "_delta_log" / f"{2:020d}.json").read_text().splitlines()
+        if "add" in line
+    ]
+    assert removed == second_file  # the first window's file holds none of the keys: untouched, not even read
+    assert len(added) == 1 and json.loads(added[0]["stats"])["numRecords"] == 3
+    assert json.loads(log[0]["commitInfo"]["userMetadata"]) == {"app": "windows", "batch": 2}
+
+    # Readable by everyone as plain strings, filters included (delta-rs' own MERGE writes string_view, which
+    # pyarrow's filters reject), and by the file statistics a reader prunes with.
+    delta = RustDeltaTable(table)
+    assert delta.to_pyarrow_table(filters=[("device_id", "=", "dev-b")]).num_rows == 2
+    assert delta.to_pyarrow_table(filters=[("window_start", ">=", minute[1].replace(tzinfo=UTC))]).num_rows == 3
+    stats = json.loads(added[0]["stats"])
+    assert stats["minValues"] == {"window_start": "2026-11-28T12:01:00.000Z", "device_id": "dev-a", "readings": 1}
+    assert stats["maxValues"] == {"window_start": "2026-11-28T12:02:00.000Z", "device_id": "dev-c", "readings": 4}
+    assert stats["nullCount"] == {"window_start": 0, "device_id": 0, "readings": 0, "mean": 0}
 
 
 def test_a_failed_write_is_looked_up_again_before_the_next_attempt(spark: SparkSession, tmp_path: Path) -> None:

@@ -386,7 +386,7 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
         "where the cores went: Spark tasks 0.40, JIT compiler 0.20, Python driver 0.10",
         "Delta writes of 500 rows, one kind after the other (20 each timed after 10)",
         "  merge                     1.28 s CPU     0.90 s wall",
-        "a MERGE costs 8.0 x an append's CPU; Spark's MERGE 20.0 x the project's (delta-rs)",
+        "a MERGE costs 8.0 x an append's CPU; Spark's MERGE 20.0 x the project's",
         "in batches",
         "classes generated and compiled meanwhile: 40, 8.0 per batch",
         "a batch's phases, mean seconds",
