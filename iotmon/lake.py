@@ -218,7 +218,8 @@ def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchL
     removes and the add at once. About 0.05 s for 500 rows. Not delta-rs' own MERGE, which writes strings as
     Arrow ``string_view`` in the files' Arrow schema, which pyarrow's filters cannot compare (delta-rs
     issue 4579): every reader of the tables through pyarrow, the dashboard and delta-rs' own
-    ``to_pyarrow_table(filters=...)`` included, would fail on them.
+    ``to_pyarrow_table(filters=...)`` included, would fail on them. For the tables ``create_table`` makes:
+    unpartitioned, without deletion vectors (a file's rows are all its rows).
     """
 
     def commit(tag: str) -> None:
