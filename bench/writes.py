@@ -3,17 +3,17 @@
 The stream writes its tables two ways: it appends (bronze, quarantine, silver, the scores, the status changes)
 and it MERGEs by key (live windows, device status and alerts keep one row per window, device or incident).
 Each kind is timed here through the project's own exactly-once writers (``iotmon.lake.append_once``, a Spark
-append, and ``merge_once``, a delta-rs MERGE in this process), and beside them Spark's MERGE of the same rows,
-the stream's until 2026-11-28, as the reference the project's MERGE is measured against, one after the other
-on a table of one row per device (the MERGE targets' size): the CPU of the Spark JVM, the commands it ran and
-reaped (``/proc``; a Delta write runs no Python worker) and this Python process (where delta-rs runs), and the
-wall time per write, after a warm-up.
+append, and ``merge_once``, a MERGE done in this process in Arrow and committed through delta-rs), and beside
+them Spark's MERGE of the same rows, the stream's until 2026-11-28, as the reference the project's MERGE is
+measured against, one after the other on a table of one row per device (the MERGE targets' size): the CPU of
+the Spark JVM, the commands it ran and reaped (``/proc``; a Delta write runs no Python worker) and this Python
+process (where ``merge_once`` runs), and the wall time per write, after a warm-up.
 
 A MERGE has to know the files of its target. delta-spark 4.4 finds them by rebuilding the table's snapshot
 state: a log replay in Spark jobs whose tasks generate code for Delta's wide action schema (docs/cost-model.md,
-"The MERGE tax"); delta-rs reads the commits since its last look. An append needs no file list. The ratios,
-measured in the same run, are what a MERGE-per-batch sink costs against an append-only one, and Spark's MERGE
-against the project's, whatever the host's speed.
+"The MERGE tax"); ``merge_once`` reads the files the log's statistics leave possible. An append needs no file
+list. The ratios, measured in the same run, are what a MERGE-per-batch sink costs against an append-only one,
+and Spark's MERGE against the project's, whatever the host's speed.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _write(kind: str, frame: DataFrame, path: str, ledger: BatchLedger, round_id
 
 
 def _cpu_seconds(jvm_pid: int) -> float:
-    """The Spark JVM's CPU with its reaped children, and this process's (the Python driver, delta-rs)."""
+    """The Spark JVM's CPU with its reaped children, and this process's (the Python driver, ``merge_once``)."""
     return reaped_cpu_seconds(jvm_pid) + time.process_time()
 
 
