@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 from urllib.parse import unquote
 
@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from iotmon.config import Settings
+from iotmon.lake import ruled_out, table_files
 from iotmon.status import newest
 
 REMEMBERED_QUESTIONS = 32
@@ -95,18 +96,17 @@ class LakeReader:
             return None
         column, start = since
         actions = pa.table(table.get_add_actions(flatten=True))
-        root = unquote(table.table_uri.removeprefix("file://").rstrip("/"))  # a URI: "a b" is "a%20b"
+        root = table_files(table)[1]
         files = [f"{root}/{unquote(path)}" for path in actions.column("path").to_pylist()]
-        low, high = f"min.{column}", f"max.{column}"
-        if low not in actions.column_names or high not in actions.column_names:
+        low = f"min.{column}"
+        if low not in actions.column_names:
             return [], files
-        # Delta's statistics of a timestamp are cut to the millisecond: a file's true newest value may be up to
-        # 1 ms past its statistic; its true oldest value is at or past its own.
-        kind = actions.column(high).type
+        # A file's true oldest value is at or past its statistic; its newest may be up to 1 ms past (ruled_out).
+        kind = actions.column(low).type
         inside = pc.fill_null(pc.greater_equal(actions.column(low), pa.scalar(start, kind)), False).to_pylist()
-        older = pc.less(actions.column(high), pa.scalar(start - timedelta(milliseconds=1), kind))
+        older = ruled_out(actions, column, start).to_pylist()
         wholly, cut = [], []
-        for file, within, gone in zip(files, inside, pc.fill_null(older, False).to_pylist(), strict=True):
+        for file, within, gone in zip(files, inside, older, strict=True):
             if not gone:
                 (wholly if within else cut).append(file)
         return wholly, cut

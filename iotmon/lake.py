@@ -226,7 +226,7 @@ def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchL
         table = RustDeltaTable(path)
         schema = pa.schema(table.schema().to_arrow())
         rows = source.toArrow().select(schema.names).cast(schema)
-        files, root = _data_files(table)
+        files, root = table_files(table)
         sought = rows.select(list(keys))
         touched, kept = [], []
         for file in _overlapping(table, sought):
@@ -251,8 +251,8 @@ def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchL
     return ledger.write(source.sparkSession, path, batch_id, commit)
 
 
-def _data_files(table: RustDeltaTable) -> tuple[pafs.FileSystem, str]:
-    """The file system and root directory of a table's data files, for pyarrow."""
+def table_files(table: RustDeltaTable) -> tuple[pafs.FileSystem, str]:
+    """The file system and root directory of a delta-rs table's data files, for pyarrow."""
     uri = table.table_uri.rstrip("/")
     if uri.startswith("file://"):
         return pafs.LocalFileSystem(), unquote(uri.removeprefix("file://"))  # a URI: "a b" is "a%20b"
@@ -260,21 +260,30 @@ def _data_files(table: RustDeltaTable) -> tuple[pafs.FileSystem, str]:
     return files, root
 
 
+def ruled_out(actions: pa.Table, column: str, least: Any, most: Any = None) -> pa.ChunkedArray:
+    """Per data file of ``actions`` (delta-rs' flattened add actions): whether its statistics prove that
+    ``column`` holds no value from ``least`` to ``most`` (no upper end when None). False for a file without
+    statistics. Delta's statistics of a timestamp are cut to the millisecond: a file's true newest value may be
+    up to 1 ms past its statistic; its true oldest value is at or past its own."""
+    low, high = f"min.{column}", f"max.{column}"
+    if low not in actions.column_names or high not in actions.column_names:
+        return pa.chunked_array([pa.array([False] * actions.num_rows, pa.bool_())])
+    kind = actions.column(high).type
+    out = pc.less(actions.column(high), pa.scalar(_floor_ms(least), kind))
+    if most is not None:
+        out = pc.or_(out, pc.greater(actions.column(low), pa.scalar(most, kind)))
+    return pc.fill_null(out, False)
+
+
 def _overlapping(table: RustDeltaTable, sought: pa.Table) -> list[str]:
     """The data files (paths as the log has them) whose statistics do not rule out each of ``sought``'s key
     columns' range: a window's MERGE reads the files of recent windows, not all of them."""
     actions = pa.table(table.get_add_actions(flatten=True))
-    possible = pa.array([True] * actions.num_rows, pa.bool_())
+    out = pa.chunked_array([pa.array([False] * actions.num_rows, pa.bool_())])
     for key in sought.column_names:
-        low, high = f"min.{key}", f"max.{key}"
-        if low not in actions.column_names or high not in actions.column_names:
-            continue
         least, most = pc.min_max(sought.column(key)).values()
-        kind = actions.column(low).type
-        below = pc.less(actions.column(high), pa.scalar(_floor_ms(least.as_py()), kind))
-        above = pc.greater(actions.column(low), pa.scalar(most.as_py(), kind))
-        possible = pc.and_(possible, pc.invert(pc.fill_null(pc.or_(below, above), False)))
-    return [path for path, keep in zip(actions.column("path").to_pylist(), possible.to_pylist(), strict=True) if keep]
+        out = pc.or_(out, ruled_out(actions, key, least.as_py(), most.as_py()))
+    return [path for path, gone in zip(actions.column("path").to_pylist(), out.to_pylist(), strict=True) if not gone]
 
 
 def _floor_ms(value: Any) -> Any:
