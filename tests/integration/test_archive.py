@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 from pathlib import Path
 
 import deltalake
@@ -12,17 +14,19 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from ingest.silver import READING_KEY
 from ingest.verify import reconcile
 from iotmon.cli import main
-from iotmon.config import Settings
-from iotmon.kafka import make_producer
-from iotmon.lake import run_sql
-from iotmon.schema import BRONZE, DEVICE_TYPES, DEVICES, INGEST, QUARANTINE
+from iotmon.config import Settings, interval_seconds
+from iotmon.kafka import ensure_topic, make_producer
+from iotmon.lake import planned_watermark, run_sql
+from iotmon.schema import BRONZE, DEVICE_TYPES, DEVICES, DEVICES_SCHEMA, INGEST, QUARANTINE, SILVER
 from pipeline.stream import drain_until_idle
 from pipeline.topology import ensure_tables
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from simulators.truth import OFFSET_UNKNOWN
+from tests.bad_input import iso
 
 pytestmark = pytest.mark.integration
 
@@ -150,3 +154,74 @@ def test_lake_is_queryable_by_name_and_readable_without_spark(
         arrow = deltalake.DeltaTable(isolated.table_path(table)).to_pyarrow_table()
         assert arrow.num_rows == spark_frame.count() > 0, table
         assert arrow.column_names == spark_frame.columns, table
+
+
+def _reading(device: str, seq: int, event_time: dt.datetime, temperature: object = 21.5) -> bytes:
+    payload = {"device_id": device, "seq": seq, "event_time": iso(event_time), "temperature": temperature}
+    payload |= {"humidity": 40.0, "vibration": 2.0, "pressure": 101.0, "battery": 90.0}
+    return json.dumps(payload).encode()
+
+
+def _publish(settings: Settings, records: list[tuple[bytes, dt.datetime]]) -> None:
+    """Each payload with its own Kafka timestamp, keyed by its device as the simulator keys them."""
+    producer = make_producer(settings)
+    for value, kafka_ts in records:
+        millis = int(kafka_ts.replace(tzinfo=dt.UTC).timestamp() * 1000)
+        producer.produce(settings.topic, value=value, key=json.loads(value)["device_id"], timestamp=millis)
+    assert producer.flush(30) == 0
+
+
+def test_each_reading_reaches_silver_once_however_its_copies_arrive(isolated: Settings, spark: SparkSession) -> None:
+    """The ingest query's deduplication, batch by batch: copies in one batch and in later ones, a rejected
+    record holding a later reading's key, a copy and a new reading behind the watermark."""
+    now = dt.datetime.now(dt.UTC).replace(tzinfo=None, microsecond=0)
+    watermark_s = interval_seconds(isolated.watermark)
+    ensure_topic(isolated)
+    ensure_tables(spark, isolated)
+    devices = [(device, "pump", "site-1", "m1", dt.date(2026, 1, 1)) for device in ("dev-a", "dev-b")]
+    spark.createDataFrame(devices, DEVICES_SCHEMA).write.format("delta").mode("append").save(
+        isolated.table_path(DEVICES)
+    )
+    first = _reading("dev-a", 1, now - dt.timedelta(seconds=1))
+    batches = [
+        [
+            (first, now),
+            (first, now),  # a copy in the same batch
+            (_reading("dev-a", 2, now - dt.timedelta(seconds=1), temperature="NaN"), now),  # rejected: non_finite
+            (_reading("dev-z", 1, now), now),  # rejected: unregistered
+        ],
+        [
+            (first, now + dt.timedelta(seconds=1)),  # a copy in a later batch
+            (_reading("dev-a", 2, now - dt.timedelta(seconds=1)), now),  # the rejected record's key, now valid
+            # Moves the watermark past the readings above.
+            (_reading("dev-b", 1, now + dt.timedelta(seconds=watermark_s + 80)), now + dt.timedelta(seconds=1)),
+        ],
+        [
+            (first, now),  # a copy behind the watermark, which the state no longer asks: silver does
+            (_reading("dev-a", 9, now + dt.timedelta(seconds=10)), now + dt.timedelta(seconds=11)),  # new, behind it
+        ],
+    ]
+    checkpoint = isolated.checkpoint_path(INGEST)
+    for records in batches:
+        _publish(isolated, records)
+        assert drain_until_idle(spark, isolated, [SILVER, QUARANTINE])[INGEST] == len(records)
+    last_batch = max(int(name.name) for name in Path(checkpoint).joinpath("commits").iterdir() if name.name.isdigit())
+    watermark = planned_watermark(spark, checkpoint, last_batch)
+    assert watermark is not None and watermark > now + dt.timedelta(seconds=10), "the last batch ran behind it"
+
+    bronze = spark.read.format("delta").load(isolated.table_path(BRONZE))
+    assert bronze.count() == bronze.select("partition", "offset").distinct().count() == 9
+    reasons = sorted(row.reason for row in spark.read.format("delta").load(isolated.table_path(QUARANTINE)).collect())
+    assert reasons == ["non_finite:temperature", "unregistered_device"]
+    silver = [
+        tuple(row)
+        for row in spark.read.format("delta").load(isolated.table_path(SILVER)).select(*READING_KEY).collect()
+    ]
+    assert sorted(silver) == sorted(
+        [
+            ("dev-a", 1, now - dt.timedelta(seconds=1)),
+            ("dev-a", 2, now - dt.timedelta(seconds=1)),
+            ("dev-a", 9, now + dt.timedelta(seconds=10)),
+            ("dev-b", 1, now + dt.timedelta(seconds=watermark_s + 80)),
+        ]
+    )
