@@ -166,7 +166,8 @@ def render(report: Mapping[str, Any]) -> str:
             lines.append(f"  {kind:<22}{row['cpu_s']:>8.2f} s CPU {row['wall_s']:>8.2f} s wall")
         lines.append(
             f"  a MERGE costs {_num(writes['merge_to_append_cpu'], 1)} x an append's CPU; "
-            f"Spark's MERGE {_num(writes.get('spark_merge_to_merge_cpu'), 1)} x the project's"
+            f"Spark's MERGE {_num(writes.get('spark_merge_to_merge_cpu'), 1)} x the project's, "
+            f"Spark's append {_num(writes.get('spark_append_to_append_cpu'), 1)} x the project's"
         )
     for part, title in (("demo_rate", "the demo's rate"), ("steady", "steady state")):
         if _ran(report[part]):

@@ -2,18 +2,20 @@
 
 The stream writes its tables two ways: it appends (bronze, quarantine, silver, the scores, the status changes)
 and it MERGEs by key (live windows, device status and alerts keep one row per window, device or incident).
-Each kind is timed here through the project's own exactly-once writers (``iotmon.lake.append_once``, a Spark
-append, and ``merge_once``, a MERGE done in this process in Arrow and committed through delta-rs), and beside
-them Spark's MERGE of the same rows, the stream's until 2026-11-28, as the reference the project's MERGE is
-measured against, one after the other on a table of one row per device (the MERGE targets' size): the CPU of
-the Spark JVM, the commands it ran and reaped (``/proc``; a Delta write runs no Python worker) and this Python
-process (where ``merge_once`` runs), and the wall time per write, after a warm-up.
+Each kind is timed here through the project's own exactly-once writers, both done in this process in Arrow
+and committed through delta-rs (``iotmon.lake.append_once`` and ``merge_once``), and beside each Spark's own
+write of the same rows, the stream's until 2026-11-28 (the MERGE) and 2026-11-29 (the append), as the
+reference it is measured against (``spark_append``, through ``append_checked_once``, which the late-arrivals
+lookup still uses; ``spark_merge``), one after the other on a table of one row per device (the MERGE targets'
+size): the CPU of the Spark JVM, the commands it ran and reaped (``/proc``; a Delta write runs no Python
+worker) and this Python process (the driver's side of every write), and the wall time per write, after a
+warm-up.
 
 A MERGE has to know the files of its target. delta-spark 4.4 finds them by rebuilding the table's snapshot
 state: a log replay in Spark jobs whose tasks generate code for Delta's wide action schema (docs/cost-model.md,
 "The MERGE tax"); ``merge_once`` reads the files the log's statistics leave possible. An append needs no file
 list. The ratios, measured in the same run, are what a MERGE-per-batch sink costs against an append-only one,
-and Spark's MERGE against the project's, whatever the host's speed.
+and Spark's writes against the project's, whatever the host's speed.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from pyspark.sql.types import DoubleType, LongType, StringType, StructField, Str
 from bench.stats import ratio
 from bench.system import reaped_cpu_seconds
 from bench.throughput import Log
-from iotmon.lake import BatchLedger, append_once, create_table, ledger_for, merge_once
+from iotmon.lake import BatchLedger, append_checked_once, append_once, create_table, ledger_for, merge_once
 from iotmon.schema import DEVICE_ID
 
 APPEND = "append"
+SPARK_APPEND = "spark_append"
 MERGE = "merge"
 SPARK_MERGE = "spark_merge"
-WRITE_KINDS: tuple[str, ...] = (APPEND, MERGE, SPARK_MERGE)
+WRITE_KINDS: tuple[str, ...] = (APPEND, SPARK_APPEND, MERGE, SPARK_MERGE)
 COMMIT_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 """The session setting a Spark MERGE (which takes no write options) commits as its ``userMetadata``."""
 WRITES_SCHEMA = StructType(
@@ -64,6 +67,8 @@ def spark_merge(frame: DataFrame, path: str, tag: str) -> None:
 def _write(kind: str, frame: DataFrame, path: str, ledger: BatchLedger, round_id: int) -> None:
     if kind == APPEND:
         append_once(frame, path, ledger, round_id)
+    elif kind == SPARK_APPEND:
+        append_checked_once(frame, path, ledger, round_id)
     elif kind == MERGE:
         merge_once(frame, path, (DEVICE_ID,), ledger, round_id)
     else:
@@ -106,6 +111,7 @@ def write_costs(
         }
     merge_share = ratio(kinds[MERGE]["cpu_s"], kinds[APPEND]["cpu_s"])
     spark_share = ratio(kinds[SPARK_MERGE]["cpu_s"], kinds[MERGE]["cpu_s"])
+    spark_append_share = ratio(kinds[SPARK_APPEND]["cpu_s"], kinds[APPEND]["cpu_s"])
     report = {
         "devices": devices,
         "rounds": rounds,
@@ -113,6 +119,7 @@ def write_costs(
         "kinds": kinds,
         "merge_to_append_cpu": None if merge_share is None else round(merge_share, 2),
         "spark_merge_to_merge_cpu": None if spark_share is None else round(spark_share, 2),
+        "spark_append_to_append_cpu": None if spark_append_share is None else round(spark_append_share, 2),
     }
     each = ", ".join(f"{kind} {row['cpu_s']:.2f} s of CPU ({row['wall_s']:.2f} s wall)" for kind, row in kinds.items())
     log(f"writes: {each} per write of {devices:,} rows")

@@ -42,7 +42,15 @@ from ingest.silver import (
 )
 from iotmon.config import Settings
 from iotmon.kafka import spark_kafka_options
-from iotmon.lake import BatchLedger, append_once, create_table, held, planned_watermark, table_property
+from iotmon.lake import (
+    BatchLedger,
+    append_checked_once,
+    append_once,
+    create_table,
+    held,
+    planned_watermark,
+    table_property,
+)
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     BRONZE,
@@ -211,7 +219,7 @@ def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
                 if new.isEmpty():
                     return
                 try:
-                    append_once(new, settings.table_path(SILVER), ledger, batch_id)
+                    append_checked_once(new, settings.table_path(SILVER), ledger, batch_id)
                     return
                 except ConcurrentAppendException:
                     if attempt == LOOKUP_ATTEMPTS:

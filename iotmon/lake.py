@@ -188,14 +188,36 @@ def held(batch: DataFrame) -> Iterator[int]:
         batch.unpersist()
 
 
-def append_once(frame: DataFrame, path: str, ledger: BatchLedger, batch_id: int) -> bool:
-    """Append ``frame`` unless batch ``batch_id`` of the ledger's writer is already in the table.
+def append_once(
+    rows: DataFrame | pa.Table, path: str, ledger: BatchLedger, batch_id: int, spark: SparkSession | None = None
+) -> bool:
+    """Append ``rows`` unless batch ``batch_id`` of the ledger's writer is already in the table; ``spark`` is
+    the session of the ledger's files, given for Arrow rows.
 
-    As one file: every task writing a Delta file builds its statistics tracker, code generated for the table's
-    columns, which cost a micro-batch's writes more than their rows (docs/cost-model.md); readers of a table a
-    stream appends to every few seconds pay per file too. And a stream reading the table gets each commit
-    whole: a Delta source splits its rate-limited batches between files, never inside one, which the scorer's
-    history relies on (``streaming.history``)."""
+    Written on the driver, where a ``foreachBatch`` function runs, like ``merge_once``: the rows collected as
+    Arrow into one Parquet file, committed through delta-rs. A Spark append costs a Delta transaction in the
+    JVM (the snapshot brought up to date before and after, the commit's own bookkeeping) and a task that
+    builds a statistics tracker, code generated for the table's columns, per file: more than a micro-batch's
+    rows cost (docs/cost-model.md, "The appends on the driver"). One file: readers of a table a stream appends
+    to every few seconds pay per file, and a stream reading the table gets each commit whole (a Delta source
+    splits its rate-limited batches between files, never inside one, which the scorer's history relies on,
+    ``streaming.history``)."""
+    session = rows.sparkSession if isinstance(rows, DataFrame) else spark
+    assert session is not None, "Arrow rows need the session of the ledger's files"
+
+    def commit(tag: str) -> None:
+        table = RustDeltaTable(path)
+        schema = _arrow_schema(table)
+        _commit_file(table, conformed(rows.toArrow() if isinstance(rows, DataFrame) else rows, schema), [], tag)
+
+    return ledger.write(session, path, batch_id, commit)
+
+
+def append_checked_once(frame: DataFrame, path: str, ledger: BatchLedger, batch_id: int) -> bool:
+    """Append ``frame``, which reads the table at ``path``, unless the ledger's writer already did for
+    ``batch_id``: a Spark append, in whose Delta transaction the read is registered, so Delta refuses the commit
+    (``ConcurrentAppendException``) when another writer committed files the read should have seen. The
+    late-arrivals lookup needs that; every blind append goes through ``append_once``."""
 
     def commit(tag: str) -> None:
         writer = frame.coalesce(1).write.format("delta").mode("append").option("maxRecordsPerFile", 0)
@@ -224,8 +246,8 @@ def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchL
 
     def commit(tag: str) -> None:
         table = RustDeltaTable(path)
-        schema = pa.schema(table.schema().to_arrow())
-        rows = source.toArrow().select(schema.names).cast(schema)
+        schema = _arrow_schema(table)
+        rows = conformed(source.toArrow(), schema)
         files, root = table_files(table)
         sought = rows.select(list(keys))
         touched, kept = [], []
@@ -237,18 +259,66 @@ def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchL
             kept.append(
                 old.to_table().join(sought, list(keys), join_type="left anti").select(schema.names).cast(schema)
             )
-        merged = pa.concat_tables([*kept, rows])
-        name = f"part-00000-{uuid.uuid4()}-c000.snappy.parquet"
-        pq.write_table(merged, f"{root}/{name}", filesystem=files, compression="snappy")
-        now = round(time.time() * 1000)
-        size = files.get_file_info(f"{root}/{name}").size
-        actions: list[AddAction | RemoveAction] = [AddAction(name, size, {}, now, True, file_statistics(merged))]
-        actions += [RemoveAction(file, True, now) for file in touched]
-        table.create_write_transaction(
-            actions, "append", schema, commit_properties=CommitProperties(custom_metadata={"userMetadata": tag})
-        )
+        _commit_file(table, pa.concat_tables([*kept, rows]), touched, tag)
 
     return ledger.write(source.sparkSession, path, batch_id, commit)
+
+
+def _arrow_schema(table: RustDeltaTable) -> pa.Schema:
+    return pa.schema(table.schema().to_arrow())
+
+
+def conformed(rows: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``rows`` as the table of ``schema`` stores them, or ``TypeError`` for rows it cannot take, as Delta's
+    schema enforcement refuses them: a column missing, unknown or of another kind, a null in a column that allows
+    none. What differs only in representation is cast (Arrow's string kinds, timestamps' zone and unit, a
+    narrower number, a column of nulls alone)."""
+    problems = [f"{name} is not a column of the table" for name in rows.column_names if name not in schema.names]
+    for column in schema:
+        if column.name not in rows.column_names:
+            problems.append(f"{column.name} is missing")
+            continue
+        given = rows.schema.field(column.name).type
+        if not _same_kind(given, column.type):
+            problems.append(f"{column.name} is {given}, the table's {column.type}")
+        elif not column.nullable and rows.column(column.name).null_count:
+            problems.append(f"{column.name} holds nulls, which the table does not allow")
+    if problems:
+        raise TypeError(f"schema mismatch: {'; '.join(problems)}")
+    return rows.select(schema.names).cast(schema)
+
+
+def _same_kind(given: pa.DataType, stored: pa.DataType) -> bool:
+    if given == stored or pa.types.is_null(given):
+        return True
+    for numbers in (pa.types.is_integer, pa.types.is_floating):
+        if numbers(given) and numbers(stored):
+            return given.bit_width <= stored.bit_width
+    return any(kind(given) and kind(stored) for kind in (pa.types.is_timestamp, _is_text, _is_bytes))
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+
+
+def _is_bytes(kind: pa.DataType) -> bool:
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind)
+
+
+def _commit_file(table: RustDeltaTable, rows: pa.Table, removed: Sequence[str], tag: str) -> None:
+    """Write ``rows`` as one new data file of ``table`` and commit it, with the removal of the data files
+    ``removed`` (paths as the log has them), in one transaction tagged ``tag``. No rows, no file: the commit
+    still records the batch, as a Spark append of nothing does."""
+    now = round(time.time() * 1000)
+    actions: list[AddAction | RemoveAction] = [RemoveAction(file, True, now) for file in removed]
+    if rows.num_rows:
+        files, root = table_files(table)
+        name = f"part-00000-{uuid.uuid4()}-c000.snappy.parquet"
+        pq.write_table(rows, f"{root}/{name}", filesystem=files, compression="snappy")
+        size = files.get_file_info(f"{root}/{name}").size
+        actions.append(AddAction(name, size, {}, now, True, file_statistics(rows)))
+    tagged = CommitProperties(custom_metadata={"userMetadata": tag})
+    table.create_write_transaction(actions, "append", _arrow_schema(table), commit_properties=tagged)
 
 
 def table_files(table: RustDeltaTable) -> tuple[pafs.FileSystem, str]:
@@ -294,19 +364,24 @@ def _floor_ms(value: Any) -> Any:
 def file_statistics(rows: pa.Table) -> str:
     """A data file's Delta statistics: its row count, each column's null count, and the bounds of its integer,
     string and timestamp columns (timestamps to the millisecond, widened outwards, as readers expect of
-    Delta's; floating-point bounds are left out: NaN has no place in them)."""
+    Delta's; floating-point bounds are left out: NaN has no place in them; nested columns have none)."""
     low, high, nulls = {}, {}, {}
     for name, column in zip(rows.column_names, rows.columns, strict=True):
-        nulls[name] = column.null_count
         kind = column.type
+        if pa.types.is_nested(kind):
+            continue  # Delta's statistics of a nested column are nested; none is better than a wrong shape
+        nulls[name] = column.null_count
         if column.null_count == len(column):
             continue
         if pa.types.is_timestamp(kind):
             least, most = pc.min_max(column).values()
             low[name], high[name] = _stat_time(least.as_py(), up=False), _stat_time(most.as_py(), up=True)
-        elif pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        elif pa.types.is_integer(kind) or _is_text(kind):
             least, most = pc.min_max(column).values()
-            low[name], high[name] = least.as_py(), most.as_py()
+            try:
+                low[name], high[name] = least.as_py(), most.as_py()
+            except UnicodeDecodeError:
+                continue  # a Spark string may hold any bytes (a Kafka key); JSON statistics cannot
     stats = {"numRecords": rows.num_rows, "minValues": low, "maxValues": high, "nullCount": nulls}
     return json.dumps(stats, separators=(",", ":"))
 

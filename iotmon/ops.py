@@ -34,7 +34,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar, ParamSpec, TextIO
 
+import pyarrow as pa
 from pyspark.sql import SparkSession
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming import StreamingQueryListener
 from pyspark.sql.streaming.listener import (
     QueryIdleEvent,
@@ -44,7 +46,7 @@ from pyspark.sql.streaming.listener import (
 )
 
 from iotmon.config import Settings
-from iotmon.lake import ledger_for
+from iotmon.lake import append_once, ledger_for
 from iotmon.queries import explain
 from iotmon.schema import QUERY_PROGRESS, QUERY_PROGRESS_SCHEMA
 
@@ -53,6 +55,7 @@ P = ParamSpec("P")
 # Spark reports the watermark of a query that has not seen an event yet as the epoch: no watermark at all.
 _NO_WATERMARK = datetime(1970, 1, 1, tzinfo=UTC)
 _KAFKA_SOURCE_PREFIXES = ("KafkaV2[", "KafkaSource[", "KafkaTable[")
+PROGRESS_ARROW_SCHEMA = to_arrow_schema(QUERY_PROGRESS_SCHEMA, timezone="UTC")
 SUMMARY_FIELDS: tuple[str, ...] = (
     "batch_id",
     "timestamp",
@@ -406,8 +409,6 @@ class ProgressRecorder(JsonEventListener):
 
     def flush(self) -> bool:
         """Append what is buffered now; False (and a line on ``out``) if it failed and will be retried."""
-        from iotmon.lake import append_once
-
         with self._flush_lock:
             while True:
                 with self._lock:
@@ -422,9 +423,8 @@ class ProgressRecorder(JsonEventListener):
                     return True
                 sequence, rows = pending
                 try:
-                    records = [tuple(row[f.name] for f in QUERY_PROGRESS_SCHEMA.fields) for row in rows]
-                    frame = self._session.createDataFrame(records, QUERY_PROGRESS_SCHEMA).coalesce(1)
-                    append_once(frame, self._table, self._ledger, sequence)
+                    table = pa.Table.from_pylist(rows, schema=PROGRESS_ARROW_SCHEMA)  # naive times: UTC
+                    append_once(table, self._table, self._ledger, sequence, self._session)
                 except Exception as exc:
                     self._report(f"could not append {len(rows)} rows to {self._table}, will retry: {explain(exc)}")
                     return False

@@ -14,7 +14,7 @@ from pyspark.sql.types import BooleanType
 
 from ingest import landing
 from iotmon.config import Settings
-from iotmon.lake import create_table, ledger_for
+from iotmon.lake import append_once, create_table, ledger_for
 from iotmon.schema import SILVER, SILVER_SCHEMA, TOO_LATE
 from tests.readings import silver_frame, silver_row
 from tests.support import wait_for
@@ -46,7 +46,7 @@ def test_a_lookup_an_ingest_commit_made_stale_is_done_again(
     late = silver_frame(spark, [silver_row("dev-a", seq, seq, lateness=TOO_LATE) for seq in (1, 2, 3)])
     started, go = tmp_path / "append-started", tmp_path / "ingest-committed"
     appends: list[int] = []
-    real_append = landing.append_once
+    real_append = landing.append_checked_once
 
     def append_held_once(frame: DataFrame, path: str, *args) -> bool:
         """The late-arrivals append; the first one is held inside its transaction until the ingest commits."""
@@ -57,10 +57,10 @@ def test_a_lookup_an_ingest_commit_made_stale_is_done_again(
 
     def ingest_commits_reading_2() -> None:
         wait_for(started.exists, 120, "the late-arrivals append to start")
-        silver_frame(spark, [silver_row("dev-a", 2, 2)]).write.format("delta").mode("append").save(silver)
+        append_once(silver_frame(spark, [silver_row("dev-a", 2, 2)]), silver, ledger_for("test-ingest"), 0)
         go.touch()
 
-    monkeypatch.setattr(landing, "append_once", append_held_once)
+    monkeypatch.setattr(landing, "append_checked_once", append_held_once)
     ingest = threading.Thread(target=ingest_commits_reading_2, daemon=True)
     ingest.start()
     landing.write_late_arrivals(isolated, ledger_for("test-late-arrivals"))(late, 0)

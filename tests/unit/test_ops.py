@@ -348,17 +348,21 @@ def test_a_failed_flush_is_reported_and_retried_as_the_same_transaction(tmp_path
     session, out = mock.MagicMock(), io.StringIO()
     recorder = _recorder(tmp_path, session, out)
     recorder.onQueryProgress(QueryProgressEvent.fromJson({"progress": KAFKA_PROGRESS}))
-    with mock.patch("iotmon.lake.append_once", side_effect=RuntimeError("disk full")):
+    with mock.patch("iotmon.ops.append_once", side_effect=RuntimeError("disk full")) as failing:
         assert recorder.flush() is False
     assert "could not append 1 rows" in out.getvalue() and "disk full" in out.getvalue()
     recorder.onQueryProgress(QueryProgressEvent.fromJson({"progress": STATEFUL_PROGRESS}))
-    with mock.patch("iotmon.lake.append_once") as append:
+    with mock.patch("iotmon.ops.append_once") as append:
         assert recorder.flush() is True
     sequences = [call.args[3] for call in append.call_args_list]
     assert sequences == [0, 1], "the failed batch is retried as transaction 0, the new row goes into 1"
-    created = [call.args[0] for call in session.createDataFrame.call_args_list]
-    assert [[r[3] for r in rows] for rows in created] == [[42], [42], [4]]
-    assert created[0][0] == tuple(progress_row(KAFKA_PROGRESS)[f.name] for f in QUERY_PROGRESS_SCHEMA.fields)
+    tables = [call.args[0] for call in [*failing.call_args_list, *append.call_args_list]]
+    assert [table.column("batch_id").to_pylist() for table in tables] == [[42], [42], [4]]
+    assert all(call.args[4] is session for call in append.call_args_list), "the ledger reads through the session"
+    expected = progress_row(KAFKA_PROGRESS)
+    written = tables[0].to_pylist()[0]
+    assert written.keys() == {f.name for f in QUERY_PROGRESS_SCHEMA.fields}
+    assert written == {name: expected[name] for name in written}
 
 
 # --- status ------------------------------------------------------------------------------------------------
