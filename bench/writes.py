@@ -2,14 +2,13 @@
 
 The stream writes its tables two ways: it appends (bronze, quarantine, silver, the scores, the status changes)
 and it MERGEs by key (live windows, device status and alerts keep one row per window, device or incident).
-Each kind is timed here through the project's own exactly-once writers, both done in this process in Arrow
-and committed through delta-rs (``iotmon.lake.append_once`` and ``merge_once``), and beside each Spark's own
-write of the same rows, the stream's until 2026-11-28 (the MERGE) and 2026-11-29 (the append), as the
-reference it is measured against (``spark_append``, through ``append_checked_once``, which the late-arrivals
-lookup still uses; ``spark_merge``), one after the other on a table of one row per device (the MERGE targets'
-size): the CPU of the Spark JVM, the commands it ran and reaped (``/proc``; a Delta write runs no Python
-worker) and this Python process (the driver's side of every write), and the wall time per write, after a
-warm-up.
+Each kind is timed here through the project's own exactly-once writers, both done in this process in Arrow and
+committed through delta-rs (``iotmon.lake.append_once`` and ``merge_once``), and beside each Spark's own write
+of the same rows, the stream's until 2026-11-28 (the MERGE) and 2026-11-29 (the append), as the reference it
+is measured against (``spark_append``, ``spark_merge``), one after the other on a table of one row per device
+(the MERGE targets' size): the CPU of the Spark JVM, the commands it ran and reaped (``/proc``; a Delta write
+runs no Python worker) and this Python process (the driver's side of every write), and the wall time per
+write, after a warm-up.
 
 A MERGE has to know the files of its target. delta-spark 4.4 finds them by rebuilding the table's snapshot
 state: a log replay in Spark jobs whose tasks generate code for Delta's wide action schema (docs/cost-model.md,
@@ -32,7 +31,7 @@ from pyspark.sql.types import DoubleType, LongType, StringType, StructField, Str
 from bench.stats import ratio
 from bench.system import reaped_cpu_seconds
 from bench.throughput import Log
-from iotmon.lake import BatchLedger, append_checked_once, append_once, create_table, ledger_for, merge_once
+from iotmon.lake import BatchLedger, append_once, create_table, ledger_for, merge_once
 from iotmon.schema import DEVICE_ID
 
 APPEND = "append"
@@ -53,6 +52,12 @@ def round_rows(spark: SparkSession, devices: int, round_id: int) -> DataFrame:
     return spark.createDataFrame(rows, WRITES_SCHEMA)
 
 
+def spark_append(frame: DataFrame, path: str, tag: str) -> None:
+    """Spark's append of ``frame`` to the table at ``path`` as one file, tagged as ``append_once`` tags."""
+    writer = frame.coalesce(1).write.format("delta").mode("append").option("maxRecordsPerFile", 0)
+    writer.option("userMetadata", tag).save(path)
+
+
 def spark_merge(frame: DataFrame, path: str, tag: str) -> None:
     """Spark's MERGE of ``frame`` into the table at ``path`` on the device, tagged as ``merge_once`` tags."""
     session = frame.sparkSession
@@ -68,7 +73,7 @@ def _write(kind: str, frame: DataFrame, path: str, ledger: BatchLedger, round_id
     if kind == APPEND:
         append_once(frame, path, ledger, round_id)
     elif kind == SPARK_APPEND:
-        append_checked_once(frame, path, ledger, round_id)
+        ledger.write(frame.sparkSession, path, round_id, lambda tag: spark_append(frame, path, tag))
     elif kind == MERGE:
         merge_once(frame, path, (DEVICE_ID,), ledger, round_id)
     else:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from delta.exceptions import ConcurrentAppendException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -44,12 +43,13 @@ from iotmon.config import Settings
 from iotmon.kafka import spark_kafka_options
 from iotmon.lake import (
     BatchLedger,
-    append_checked_once,
+    StaleRead,
     append_once,
     create_table,
     held,
     planned_watermark,
     table_property,
+    table_version,
 )
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
@@ -156,14 +156,14 @@ class IngestWriter:
                 append_once(rejects, table(QUARANTINE), self.ledger, batch_id)
             readings = silver_rows(classified).where(F.col(LATENESS) != TOO_LATE)
             new = distinct_readings(readings.join(first_seen, list(READING_KEY), "left_semi"))
-            watermark = planned_watermark(spark, self.checkpoint, batch_id)
+            watermark, lookup = planned_watermark(spark, self.checkpoint, batch_id), None
             if watermark is not None:
                 # Behind the watermark the state may not have been asked: silver answers for those.
                 behind = readings.where(F.col(EVENT_TIME) <= F.lit(watermark))
                 behind = behind.join(first_seen, list(READING_KEY), "left_anti")
                 if not behind.isEmpty():
-                    new = new.unionByName(not_in_silver(distinct_readings(behind), spark, self.settings))
-            append_once(new, table(SILVER), self.ledger, batch_id)
+                    lookup = distinct_readings(behind)
+            append_to_silver(self.settings, self.ledger, batch_id, new, lookup)
 
 
 def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:
@@ -188,42 +188,64 @@ def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> S
     )
 
 
-def not_in_silver(readings: DataFrame, spark: SparkSession, settings: Settings) -> DataFrame:
-    """``readings`` that silver does not hold yet. The event-time bounds let Delta skip every silver file
-    that cannot hold one of them."""
+def not_in_silver(
+    readings: DataFrame, spark: SparkSession, settings: Settings, version: int | None = None
+) -> DataFrame:
+    """``readings`` that silver (at ``version``, else its newest) does not hold yet. The event-time bounds let
+    Delta skip every silver file that cannot hold one of them."""
     bounds = readings.agg(F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
     if bounds is None or bounds[0] is None:
         return readings
-    silver = spark.read.format("delta").load(settings.table_path(SILVER))
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", version)
+    silver = reader.load(settings.table_path(SILVER))
     held = silver.where(F.col(EVENT_TIME).between(F.lit(bounds[0]), F.lit(bounds[1]))).select(*READING_KEY)
     return readings.join(held, list(READING_KEY), "left_anti")
 
 
-def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
-    """The late-arrivals query's ``foreachBatch``: look the readings up in silver, append those it lacks.
+def append_to_silver(
+    settings: Settings, ledger: BatchLedger, batch_id: int, new: DataFrame | None, lookup: DataFrame | None
+) -> None:
+    """Append to silver the readings ``new`` and those of ``lookup`` that silver lacks (nothing when both come
+    to nothing).
 
-    Silver has two writers. The ingest query appends blindly; this one reads silver in the transaction that
-    appends, so Delta refuses its commit when an ingest commit added files in the event-time range it read
-    (``ConcurrentAppendException``): the lookup may have missed a reading that just arrived. That is not a
-    failure of the query, only a stale lookup, so it is done again on the new silver, up to
-    ``LOOKUP_ATTEMPTS`` times, before the conflict fails the batch (and the supervisor restarts the query).
+    Silver has two writers, the ingest query and the late-arrivals query, and either may hold a copy of a
+    reading the other holds another copy of. A lookup reads silver at a version, and the append commits right
+    after that version or not at all (``iotmon.lake.append_once``'s ``read_version``), as a Delta transaction
+    that read the table is refused when another commit came first: the other writer may have added a reading
+    the lookup missed. That is not a failure of the query, only a stale lookup, so it is done again on the new
+    silver, up to ``LOOKUP_ATTEMPTS`` times, before the conflict fails the batch (and the supervisor restarts
+    the query). Without a lookup the append is blind: the state said the readings are new.
     """
+    path = settings.table_path(SILVER)
+    if lookup is None:
+        if new is not None:
+            append_once(new, path, ledger, batch_id)
+        return
+    for attempt in range(1, LOOKUP_ATTEMPTS + 1):
+        version = table_version(path)
+        missing = not_in_silver(lookup, lookup.sparkSession, settings, version)
+        if new is None and missing.isEmpty():
+            return
+        try:
+            append_once(
+                missing if new is None else new.unionByName(missing), path, ledger, batch_id, read_version=version
+            )
+            return
+        except StaleRead:
+            if attempt == LOOKUP_ATTEMPTS:
+                raise
+
+
+def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
+    """The late-arrivals query's ``foreachBatch``: look the readings up in silver, append those it lacks
+    (``append_to_silver``)."""
 
     def write(batch: DataFrame, batch_id: int) -> None:
         with held(batch) as rows:
-            if rows == 0:
-                return
-            readings = distinct_readings(batch)
-            for attempt in range(1, LOOKUP_ATTEMPTS + 1):
-                new = not_in_silver(readings, batch.sparkSession, settings)
-                if new.isEmpty():
-                    return
-                try:
-                    append_checked_once(new, settings.table_path(SILVER), ledger, batch_id)
-                    return
-                except ConcurrentAppendException:
-                    if attempt == LOOKUP_ATTEMPTS:
-                        raise
+            if rows:
+                append_to_silver(settings, ledger, batch_id, None, distinct_readings(batch))
 
     return write
 

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from delta.tables import DeltaTable
 from deltalake import CommitProperties
 from deltalake import DeltaTable as RustDeltaTable
+from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import StructType
@@ -188,11 +189,29 @@ def held(batch: DataFrame) -> Iterator[int]:
         batch.unpersist()
 
 
+class StaleRead(Exception):
+    """A write that read its table at a version found another commit after that version: what it read may
+    lack rows that commit added. Read again and write again."""
+
+
+def table_version(path: str) -> int:
+    """The newest version of the Delta table at ``path``."""
+    return RustDeltaTable(path).version()
+
+
 def append_once(
-    rows: DataFrame | pa.Table, path: str, ledger: BatchLedger, batch_id: int, spark: SparkSession | None = None
+    rows: DataFrame | pa.Table,
+    path: str,
+    ledger: BatchLedger,
+    batch_id: int,
+    spark: SparkSession | None = None,
+    *,
+    read_version: int | None = None,
 ) -> bool:
     """Append ``rows`` unless batch ``batch_id`` of the ledger's writer is already in the table; ``spark`` is
-    the session of the ledger's files, given for Arrow rows.
+    the session of the ledger's files, given for Arrow rows. Rows computed from the table itself name the
+    version they read (``read_version``): they are committed right after it or not at all (``StaleRead``), as
+    a Delta transaction that read the table is refused when another commit came first.
 
     Written on the driver, where a ``foreachBatch`` function runs, like ``merge_once``: the rows collected as
     Arrow into one Parquet file, committed through delta-rs. A Spark append costs a Delta transaction in the
@@ -201,29 +220,22 @@ def append_once(
     rows cost (docs/cost-model.md, "The appends on the driver"). One file: readers of a table a stream appends
     to every few seconds pay per file, and a stream reading the table gets each commit whole (a Delta source
     splits its rate-limited batches between files, never inside one, which the scorer's history relies on,
-    ``streaming.history``)."""
+    ``streaming.history``). Every writer of a table the stream writes commits through delta-rs, so on an
+    object store they coordinate through one mechanism (docs/configuration.md)."""
     session = rows.sparkSession if isinstance(rows, DataFrame) else spark
     assert session is not None, "Arrow rows need the session of the ledger's files"
 
     def commit(tag: str) -> None:
-        table = RustDeltaTable(path)
-        schema = _arrow_schema(table)
-        _commit_file(table, conformed(rows.toArrow() if isinstance(rows, DataFrame) else rows, schema), [], tag)
+        table = RustDeltaTable(path) if read_version is None else RustDeltaTable(path, version=read_version)
+        arrow = conformed(rows.toArrow() if isinstance(rows, DataFrame) else rows, _arrow_schema(table))
+        try:
+            _commit_file(table, arrow, [], tag, after_read=read_version is not None)
+        except CommitFailedError as exc:
+            if read_version is None:
+                raise
+            raise StaleRead(f"{path}: a commit after version {read_version}, which this write read") from exc
 
     return ledger.write(session, path, batch_id, commit)
-
-
-def append_checked_once(frame: DataFrame, path: str, ledger: BatchLedger, batch_id: int) -> bool:
-    """Append ``frame``, which reads the table at ``path``, unless the ledger's writer already did for
-    ``batch_id``: a Spark append, in whose Delta transaction the read is registered, so Delta refuses the commit
-    (``ConcurrentAppendException``) when another writer committed files the read should have seen. The
-    late-arrivals lookup needs that; every blind append goes through ``append_once``."""
-
-    def commit(tag: str) -> None:
-        writer = frame.coalesce(1).write.format("delta").mode("append").option("maxRecordsPerFile", 0)
-        writer.option("userMetadata", tag).save(path)
-
-    return ledger.write(frame.sparkSession, path, batch_id, commit)
 
 
 def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchLedger, batch_id: int) -> bool:
@@ -305,10 +317,13 @@ def _is_bytes(kind: pa.DataType) -> bool:
     return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind)
 
 
-def _commit_file(table: RustDeltaTable, rows: pa.Table, removed: Sequence[str], tag: str) -> None:
+def _commit_file(
+    table: RustDeltaTable, rows: pa.Table, removed: Sequence[str], tag: str, *, after_read: bool = False
+) -> None:
     """Write ``rows`` as one new data file of ``table`` and commit it, with the removal of the data files
-    ``removed`` (paths as the log has them), in one transaction tagged ``tag``. No rows, no file: the commit
-    still records the batch, as a Spark append of nothing does."""
+    ``removed`` (paths as the log has them), in one transaction tagged ``tag``: right after the version
+    ``table`` was loaded at when the rows were read from it (``after_read``), else after whatever is newest then.
+    No rows, no file: the commit still records the batch, as a Spark append of nothing does."""
     now = round(time.time() * 1000)
     actions: list[AddAction | RemoveAction] = [RemoveAction(file, True, now) for file in removed]
     if rows.num_rows:
@@ -317,7 +332,7 @@ def _commit_file(table: RustDeltaTable, rows: pa.Table, removed: Sequence[str], 
         pq.write_table(rows, f"{root}/{name}", filesystem=files, compression="snappy")
         size = files.get_file_info(f"{root}/{name}").size
         actions.append(AddAction(name, size, {}, now, True, file_statistics(rows)))
-    tagged = CommitProperties(custom_metadata={"userMetadata": tag})
+    tagged = CommitProperties(custom_metadata={"userMetadata": tag}, max_commit_retries=0 if after_read else None)
     table.create_write_transaction(actions, "append", _arrow_schema(table), commit_properties=tagged)
 
 
