@@ -7,6 +7,7 @@ import math
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable as RustDeltaTable
 from pyspark.sql import SparkSession
@@ -202,3 +203,32 @@ def test_a_table_whose_creation_a_crash_interrupted_is_created_on_the_next_start
     (log / ".00000000000000000001.json.abcdef.tmp").write_text("{}")
     assert remove_unfinished_creation(spark, str(table)) == []
     assert spark.read.format("delta").load(str(table)).columns == ["id"]
+
+
+def test_each_commit_on_the_driver_has_a_checksum_as_spark_would_write_it(spark: SparkSession, tmp_path: Path) -> None:
+    """Spark takes a table's protocol and metadata from the newest version's checksum, or replays the log."""
+    table, ledger = str(tmp_path / "t"), ledger_for("checksums")
+    log = tmp_path / "t" / "_delta_log"
+    schema = "id long, v string"
+    create_table(spark, table, spark.createDataFrame([], schema).schema, "checksummed")
+
+    def checksum_agrees(version: int) -> None:
+        stored = json.loads((log / f"{version:020d}.crc").read_text())
+        files = pa.table(RustDeltaTable(table, version=version).get_add_actions(flatten=True))
+        assert (stored["numFiles"], stored["tableSizeBytes"]) == (files.num_rows, sum(files["size_bytes"].to_pylist()))
+        assert stored["metadata"] == json.loads((log / f"{0:020d}.crc").read_text())["metadata"]
+
+    assert append_once(spark.createDataFrame([(1, "a"), (2, "b")], schema), table, ledger, 0)
+    assert merge_once(spark.createDataFrame([(2, "B"), (3, "c")], schema), table, ("id",), ledger, 1)
+    for version in (1, 2):
+        checksum_agrees(version)
+    # A kill between a commit and its checksum: the next commit counts the table's files itself.
+    (log / f"{2:020d}.crc").unlink()
+    assert append_once(spark.createDataFrame([(4, "d")], schema), table, ledger, 2)
+    checksum_agrees(3)
+    # Spark commits on top of it, and its own checksum agrees with what it counts.
+    spark.createDataFrame([(5, "e")], schema).write.format("delta").mode("append").save(table)
+    detail = spark.sql(f"DESCRIBE DETAIL delta.`{table}`").first()
+    checksum_agrees(4)
+    assert detail.numFiles == json.loads((log / f"{4:020d}.crc").read_text())["numFiles"]
+    assert _rows(spark, Path(table)) == [(1, "a"), (2, "B"), (3, "c"), (4, "d"), (5, "e")]
