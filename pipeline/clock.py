@@ -138,15 +138,16 @@ class EventClock(threading.Thread):
         )
 
     def tick_if_idle(self) -> None:
-        from deltalake import DeltaTable, write_deltalake
+        from deltalake import write_deltalake
 
         from iotmon.kafka import partition_offsets
+        from iotmon.lake import table_version
 
         def kafka_high() -> dict[int, int]:
             return {partition: high for partition, (_, high) in partition_offsets(self.settings, timeout=5).items()}
 
         def version(table: str) -> int:
-            return DeltaTable(self.settings.table_path(table)).version()
+            return table_version(self.settings.table_path(table))
 
         due = ticks_due(self.observe(kafka_high, version), self.idle_after)
         if due:
