@@ -44,6 +44,9 @@ CHECKPOINT_INTERVAL = 100
 """Commits between two Delta checkpoints of a table the streams write (Delta's default is 10). A checkpoint
 rewrites the table's whole state; every tenth micro-batch paying for it cost 0.2-0.4 s per append on
 average here, for readers that replay at most this many small JSON commits instead."""
+COMMIT_ID = "iotmonCommitId"
+"""Field of the ``commitInfo`` of each commit made on the driver: a random id by which the writer finds the
+version it just committed, tagged or not (a write without a ledger has no tag)."""
 CLOCK_MARGIN_S = 600.0
 """How far before a writer's creation a ledger still looks for the writer's commits: commit timestamps come
 from the writing machine's clock and file times from the storage's, which may disagree by this much."""
@@ -238,6 +241,15 @@ def append_once(
     return ledger.write(session, path, batch_id, commit)
 
 
+def append_rows(rows: pa.Table, path: str) -> None:
+    """Append Arrow ``rows`` to the table at ``path`` on the driver, without a ledger: for a writer whose rows
+    are not a micro-batch's and may be written twice (the event clock's ticks: a second copy of a tick moves
+    nothing). Committed as ``append_once`` commits, with its checksum, so Spark's readers plan without
+    replaying the log."""
+    table = RustDeltaTable(path)
+    _commit_file(table, conformed(rows, _arrow_schema(table)), [], None)
+
+
 def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchLedger, batch_id: int) -> bool:
     """MERGE ``source`` into the table at ``path`` on the columns ``keys`` unless the ledger's writer already did
     for ``batch_id``: a row of the table with a key ``source`` has is replaced by the source's row, the others
@@ -318,13 +330,19 @@ def _is_bytes(kind: pa.DataType) -> bool:
 
 
 def _commit_file(
-    table: RustDeltaTable, rows: pa.Table, removed: Sequence[tuple[str, int]], tag: str, *, after_read: bool = False
+    table: RustDeltaTable,
+    rows: pa.Table,
+    removed: Sequence[tuple[str, int]],
+    tag: str | None,
+    *,
+    after_read: bool = False,
 ) -> None:
     """Write ``rows`` as one new data file of ``table`` and commit it, with the removal of the data files
-    ``removed`` (paths as the log has them, and sizes), in one transaction tagged ``tag``: right after the
-    version ``table`` was loaded at when the rows were read from it (``after_read``), else after whatever is
-    newest then; then its checksum (``_write_checksum``). No rows, no file: the commit still records the
-    batch, as a Spark append of nothing does."""
+    ``removed`` (paths as the log has them, and sizes), in one transaction tagged ``tag`` (a micro-batch's;
+    None for a write without a ledger): right after the version ``table`` was loaded at when the rows were
+    read from it (``after_read``), else after whatever is newest then; then its checksum
+    (``_write_checksum``). No rows, no file: the commit still records the batch, as a Spark append of nothing
+    does."""
     files, root = table_files(table)
     now = round(time.time() * 1000)
     actions: list[AddAction | RemoveAction] = [RemoveAction(file, True, now, size) for file, size in removed]
@@ -334,21 +352,24 @@ def _commit_file(
         pq.write_table(rows, f"{root}/{name}", filesystem=files, compression="snappy")
         added.append(files.get_file_info(f"{root}/{name}").size)
         actions.append(AddAction(name, added[0], {}, now, True, file_statistics(rows)))
-    tagged = CommitProperties(custom_metadata={"userMetadata": tag}, max_commit_retries=0 if after_read else None)
-    table.create_write_transaction(actions, "append", _arrow_schema(table), commit_properties=tagged)
-    version = _version_tagged(files, root, tag, after=table.version())
+    commit_id = uuid.uuid4().hex
+    metadata = {COMMIT_ID: commit_id} | ({"userMetadata": tag} if tag is not None else {})
+    properties = CommitProperties(custom_metadata=metadata, max_commit_retries=0 if after_read else None)
+    table.create_write_transaction(actions, "append", _arrow_schema(table), commit_properties=properties)
+    version = _committed_version(files, root, commit_id, after=table.version())
     if version is not None:
         _write_checksum(table, version, added, [size for _, size in removed])
 
 
-def _version_tagged(files: pafs.FileSystem, root: str, tag: str, after: int) -> int | None:
-    """The first version after ``after`` whose commit carries ``tag``: the version a writer that loaded the
-    table at ``after`` just committed (the next one, unless others committed in between); None if none does."""
+def _committed_version(files: pafs.FileSystem, root: str, commit_id: str, after: int) -> int | None:
+    """The version after ``after`` whose commit carries ``commit_id``: the version a writer that loaded the
+    table at ``after`` just committed (the next one, unless others committed in between); None if none does
+    (delta-rs returns nothing and leaves its table object at the version it was loaded at)."""
     version = after + 1
     while True:
         try:
             with files.open_input_stream(f"{root}/_delta_log/{version:020d}.json") as commit:
-                if _commit_info(commit.read().decode()).get("userMetadata") == tag:
+                if _commit_info(commit.read().decode()).get(COMMIT_ID) == commit_id:
                     return version
         except FileNotFoundError:
             return None

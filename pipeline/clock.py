@@ -138,10 +138,8 @@ class EventClock(threading.Thread):
         )
 
     def tick_if_idle(self) -> None:
-        from deltalake import write_deltalake
-
         from iotmon.kafka import partition_offsets
-        from iotmon.lake import table_version
+        from iotmon.lake import append_rows, table_version
 
         def kafka_high() -> dict[int, int]:
             return {partition: high for partition, (_, high) in partition_offsets(self.settings, timeout=5).items()}
@@ -157,7 +155,7 @@ class EventClock(threading.Thread):
                 [pa.field(EVENT_TIME, pa.timestamp("us", tz="UTC"), False), pa.field(FOLLOWS, pa.string(), False)]
             )
             rows = pa.table([[t.astimezone(UTC) for t in due.values()], list(due)], schema=schema)
-            write_deltalake(self.settings.table_path(STREAM_CLOCK), rows, mode="append")
+            append_rows(rows, self.settings.table_path(STREAM_CLOCK))
             self.ticks += len(due)
 
     def run(self) -> None:

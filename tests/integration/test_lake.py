@@ -16,6 +16,7 @@ from pyspark.sql.types import LongType, StructField, StructType
 from iotmon.lake import (
     BatchLedger,
     append_once,
+    append_rows,
     create_table,
     held,
     ledger_for,
@@ -231,4 +232,8 @@ def test_each_commit_on_the_driver_has_a_checksum_as_spark_would_write_it(spark:
     detail = spark.sql(f"DESCRIBE DETAIL delta.`{table}`").first()
     checksum_agrees(4)
     assert detail.numFiles == json.loads((log / f"{4:020d}.crc").read_text())["numFiles"]
-    assert _rows(spark, Path(table)) == [(1, "a"), (2, "B"), (3, "c"), (4, "d"), (5, "e")]
+    # A write without a ledger (the event clock's ticks) commits the same way, untagged.
+    append_rows(pa.table({"id": [6], "v": ["f"]}), table)
+    checksum_agrees(5)
+    assert spark.sql(f"DESCRIBE HISTORY delta.`{table}` LIMIT 1").first().userMetadata is None
+    assert _rows(spark, Path(table)) == [(1, "a"), (2, "B"), (3, "c"), (4, "d"), (5, "e"), (6, "f")]
