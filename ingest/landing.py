@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -45,6 +46,7 @@ from iotmon.lake import (
     BatchLedger,
     StaleRead,
     append_once,
+    collected,
     create_table,
     held,
     planned_watermark,
@@ -73,6 +75,8 @@ BRONZE_VERSION = "iotmon.bronzeVersion"
 late-arrivals query starting from a new checkpoint begins right after it."""
 FIRST_SEEN = "_first_seen"
 """Marks the rows of an ingest batch that are reading keys seen for the first time, not records."""
+_BEHIND = "behind_watermark"
+"""The ingest batch's readings behind its watermark that the state was not asked about."""
 BatchWriter = Callable[[DataFrame, int], None]
 LOOKUP_ATTEMPTS = 5
 """How often a late-arrivals batch looks silver up again after an ingest commit conflicted with its append."""
@@ -138,7 +142,8 @@ def ingest_rows(records: DataFrame, devices: DataFrame, settings: Settings) -> D
 
 class IngestWriter:
     """The ingest query's ``foreachBatch``: every record into bronze, rejects into quarantine, the batch's new
-    readings into silver; each table skipped if it already holds the batch."""
+    readings into silver; each table skipped if it already holds the batch. What goes where is computed in
+    one Spark action over the held batch (``iotmon.lake.collected``), then committed table by table."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -147,23 +152,27 @@ class IngestWriter:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         spark, table = batch.sparkSession, self.settings.table_path
-        with held(batch):
-            classified = batch.where(~F.col(FIRST_SEEN))
-            first_seen = batch.where(F.col(FIRST_SEEN)).select(*READING_KEY)
-            append_once(classified.select(*BRONZE_SCHEMA.fieldNames()), table(BRONZE), self.ledger, batch_id)
-            rejects = quarantine_rows(classified).unionByName(rejected_rows(classified))
-            if not rejects.isEmpty():
-                append_once(rejects, table(QUARANTINE), self.ledger, batch_id)
+        with held(batch) as rows:
+            classified = rows.where(~F.col(FIRST_SEEN))
+            first_seen = rows.where(F.col(FIRST_SEEN)).select(*READING_KEY)
             readings = silver_rows(classified).where(F.col(LATENESS) != TOO_LATE)
-            new = distinct_readings(readings.join(first_seen, list(READING_KEY), "left_semi"))
-            watermark, lookup = planned_watermark(spark, self.checkpoint, batch_id), None
+            frames = {
+                BRONZE: classified.select(*BRONZE_SCHEMA.fieldNames()),
+                QUARANTINE: quarantine_rows(classified).unionByName(rejected_rows(classified)),
+                SILVER: distinct_readings(readings.join(first_seen, list(READING_KEY), "left_semi")),
+            }
+            watermark, behind = planned_watermark(spark, self.checkpoint, batch_id), None
             if watermark is not None:
                 # Behind the watermark the state may not have been asked: silver answers for those.
                 behind = readings.where(F.col(EVENT_TIME) <= F.lit(watermark))
                 behind = behind.join(first_seen, list(READING_KEY), "left_anti")
-                if not behind.isEmpty():
-                    lookup = distinct_readings(behind)
-            append_to_silver(self.settings, self.ledger, batch_id, new, lookup)
+                frames[_BEHIND] = behind.select(*READING_KEY)
+            out = collected(frames)
+            append_once(out[BRONZE], table(BRONZE), self.ledger, batch_id, spark)
+            if out[QUARANTINE].num_rows:
+                append_once(out[QUARANTINE], table(QUARANTINE), self.ledger, batch_id, spark)
+            lookup = distinct_readings(behind) if behind is not None and out[_BEHIND].num_rows else None
+            append_to_silver(self.settings, self.ledger, batch_id, out[SILVER], lookup, spark)
 
 
 def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:
@@ -205,7 +214,12 @@ def not_in_silver(
 
 
 def append_to_silver(
-    settings: Settings, ledger: BatchLedger, batch_id: int, new: DataFrame | None, lookup: DataFrame | None
+    settings: Settings,
+    ledger: BatchLedger,
+    batch_id: int,
+    new: pa.Table | None,
+    lookup: DataFrame | None,
+    spark: SparkSession,
 ) -> None:
     """Append to silver the readings ``new`` and those of ``lookup`` that silver lacks (nothing when both come
     to nothing).
@@ -221,17 +235,17 @@ def append_to_silver(
     path = settings.table_path(SILVER)
     if lookup is None:
         if new is not None:
-            append_once(new, path, ledger, batch_id)
+            append_once(new, path, ledger, batch_id, spark)
         return
     for attempt in range(1, LOOKUP_ATTEMPTS + 1):
         version = table_version(path)
-        missing = not_in_silver(lookup, lookup.sparkSession, settings, version)
-        if new is None and missing.isEmpty():
+        missing = not_in_silver(lookup, spark, settings, version).toArrow()
+        if new is None and missing.num_rows == 0:
             return
+        if new is not None:
+            missing = pa.concat_tables([new, missing.select(new.column_names).cast(new.schema)])
         try:
-            append_once(
-                missing if new is None else new.unionByName(missing), path, ledger, batch_id, read_version=version
-            )
+            append_once(missing, path, ledger, batch_id, spark, read_version=version)
             return
         except StaleRead:
             if attempt == LOOKUP_ATTEMPTS:
@@ -243,9 +257,8 @@ def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
     (``append_to_silver``)."""
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        with held(batch) as rows:
-            if rows:
-                append_to_silver(settings, ledger, batch_id, None, distinct_readings(batch))
+        with held(batch) as rows:  # read twice by the lookup: its bounds, then the readings silver lacks
+            append_to_silver(settings, ledger, batch_id, None, distinct_readings(rows), batch.sparkSession)
 
     return write
 

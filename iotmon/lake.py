@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -35,6 +35,7 @@ from deltalake import DeltaTable as RustDeltaTable
 from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from iotmon.config import Settings
@@ -179,17 +180,41 @@ def ledger_for(app_id: str) -> BatchLedger:
 
 
 @contextmanager
-def held(batch: DataFrame) -> Iterator[int]:
-    """Keep a micro-batch in memory while a ``foreachBatch`` function writes it out; yields its row count.
+def held(batch: DataFrame) -> Iterator[DataFrame]:
+    """The micro-batch computed once and kept while a ``foreachBatch`` function writes it out: yields a frame
+    of its rows.
 
-    The function reads its batch once per table it writes: without the cache each read would run the batch's
-    plan again, stateful operators included. Counting computes it once, a task per partition on every core,
-    so the writes after it, each one task (``append_once``), only read the cache."""
-    batch.persist()
+    The function derives a frame per table it writes: without holding the batch each would run the batch's
+    plan again, stateful operators included. Held as a local checkpoint, computed by a task per partition on
+    every core, whose plan is the rows themselves: each frame derived from it is planned over a leaf instead
+    of the whole streaming plan under a cached relation, which Spark analyses and matches against the cache
+    at every action (docs/cost-model.md, "One job per micro-batch"). Released on leaving."""
+    rows = batch.localCheckpoint(eager=True)
     try:
-        yield batch.count()
+        yield rows
     finally:
-        batch.unpersist()
+        rows._jdf.logicalPlan().rdd().unpersist(False)  # the checkpoint's blocks; no Python API releases them
+
+
+_FRAME = "_frame"
+"""Column naming the frame each row of a ``collected`` union came from."""
+
+
+def collected(frames: Mapping[str, DataFrame]) -> dict[str, pa.Table]:
+    """Each of ``frames`` (derived from one held micro-batch) as Arrow rows on the driver, by one Spark action.
+
+    A ``foreachBatch`` function writes several tables from its batch, and each Spark action costs a job
+    however few its rows: planning, code generation, scheduling, about 0.09 s of a warm driver for a
+    micro-batch of a few thousand rows (docs/cost-model.md, "One job per micro-batch"). So the frames are
+    unioned by name, each row tagged with its frame's name, collected at once and split again here, each with
+    its own columns in its own order."""
+    names = list(frames)
+    tagged = [frames[name].withColumn(_FRAME, F.lit(name)) for name in names]
+    union = tagged[0]
+    for frame in tagged[1:]:
+        union = union.unionByName(frame, allowMissingColumns=True)
+    rows = union.toArrow()
+    return {name: rows.filter(pc.equal(rows[_FRAME], name)).select(frames[name].columns) for name in names}
 
 
 class StaleRead(Exception):
@@ -250,10 +275,18 @@ def append_rows(rows: pa.Table, path: str) -> None:
     _commit_file(table, conformed(rows, _arrow_schema(table)), [], None)
 
 
-def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchLedger, batch_id: int) -> bool:
+def merge_once(
+    source: DataFrame | pa.Table,
+    path: str,
+    keys: Sequence[str],
+    ledger: BatchLedger,
+    batch_id: int,
+    spark: SparkSession | None = None,
+) -> bool:
     """MERGE ``source`` into the table at ``path`` on the columns ``keys`` unless the ledger's writer already did
     for ``batch_id``: a row of the table with a key ``source`` has is replaced by the source's row, the others
-    are kept, new keys are inserted. One Delta commit, tagged like every other.
+    are kept, new keys are inserted. One Delta commit, tagged like every other. ``spark`` as for
+    ``append_once``.
 
     The stream MERGEs small tables (a row per device, window or incident), and delta-spark 4.4 finds the files a
     MERGE touches by rebuilding the target's snapshot state in three Spark jobs every time, about 1.3 s of CPU
@@ -268,10 +301,13 @@ def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchL
     unpartitioned, without deletion vectors (a file's rows are all its rows).
     """
 
+    session = source.sparkSession if isinstance(source, DataFrame) else spark
+    assert session is not None, "Arrow rows need the session of the ledger's files"
+
     def commit(tag: str) -> None:
         table = RustDeltaTable(path)
         schema = _arrow_schema(table)
-        rows = conformed(source.toArrow(), schema)
+        rows = conformed(source.toArrow() if isinstance(source, DataFrame) else source, schema)
         files, root = table_files(table)
         sought = rows.select(list(keys))
         touched, kept = [], []
@@ -285,7 +321,7 @@ def merge_once(source: DataFrame, path: str, keys: Sequence[str], ledger: BatchL
             )
         _commit_file(table, pa.concat_tables([*kept, rows]), touched, tag)
 
-    return ledger.write(source.sparkSession, path, batch_id, commit)
+    return ledger.write(session, path, batch_id, commit)
 
 
 def _arrow_schema(table: RustDeltaTable) -> pa.Schema:

@@ -48,7 +48,7 @@ from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValu
 from pyspark.sql.types import BooleanType, DoubleType, IntegerType, LongType, StringType, StructField, StructType
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import BatchLedger, create_table, held, merge_once
+from iotmon.lake import BatchLedger, create_table, merge_once
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     ALERTS,
@@ -473,10 +473,9 @@ def alerts_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
     ledger = BatchLedger(checkpoint)
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        with held(batch) as rows:
-            if rows == 0:
-                return
-            merge_once(latest_alerts(batch), path, ("alert_id",), ledger, batch_id)
+        rows = latest_alerts(batch).toArrow()  # one Spark job: the batch is read once, so it need not be held
+        if rows.num_rows:
+            merge_once(rows, path, ("alert_id",), ledger, batch_id, batch.sparkSession)
 
     return write
 

@@ -46,7 +46,7 @@ from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValu
 from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import BatchLedger, append_once, create_table, held, merge_once
+from iotmon.lake import BatchLedger, append_once, collected, create_table, held, merge_once
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     DEGRADED,
@@ -572,10 +572,11 @@ def status_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
 
     def write(batch: DataFrame, batch_id: int) -> None:
         with held(batch) as rows:
-            if rows == 0:
-                return
-            append_once(changes_of(batch), changes_path, ledger, batch_id)
-            merge_once(latest_status(batch), status_path, (DEVICE_ID,), ledger, batch_id)
+            out = collected({changes_path: changes_of(rows), status_path: latest_status(rows)})
+        if out[status_path].num_rows == 0:
+            return  # no reading and no timer: nothing to record
+        append_once(out[changes_path], changes_path, ledger, batch_id, batch.sparkSession)
+        merge_once(out[status_path], status_path, (DEVICE_ID,), ledger, batch_id, batch.sparkSession)
 
     return write
 

@@ -19,7 +19,16 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructType
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import BatchLedger, append_once, create_table, held, merge_once, planned_watermark, table_property
+from iotmon.lake import (
+    BatchLedger,
+    append_once,
+    collected,
+    create_table,
+    held,
+    merge_once,
+    planned_watermark,
+    table_property,
+)
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     DEVICE_ID,
@@ -113,20 +122,20 @@ class FinalWindowsWriter:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         spark = batch.sparkSession
-        with held(batch):
-            tumbling = batch.where(F.col(_TABLE) == TUMBLING).select(*TUMBLING_COLUMNS)
-            sessions = batch.where(F.col(_TABLE) == DEVICE_SESSIONS).select(*SESSION_COLUMNS)
+        with held(batch) as rows:
+            tumbling = rows.where(F.col(_TABLE) == TUMBLING).select(*TUMBLING_COLUMNS)
+            sessions = rows.where(F.col(_TABLE) == DEVICE_SESSIONS).select(*SESSION_COLUMNS)
             sliding = self.sliding_due(spark, tumbling, batch_id)
-            rows = {
+            frames = {
                 DEVICE_WINDOWS: with_kinds(tumbling, sliding),
                 SITE_WINDOWS: site_rollups(tumbling, self.spec),
                 DEVICE_SESSIONS: sessions,
             }
-            for table, frame in rows.items():
-                if self.after is not None:
-                    frame = frame.where(F.col(END_COLUMN[table]) > F.lit(self.after))
-                if not frame.isEmpty():
-                    append_once(frame, self.settings.table_path(table), self.ledger, batch_id)
+            if self.after is not None:
+                frames = {table: f.where(F.col(END_COLUMN[table]) > F.lit(self.after)) for table, f in frames.items()}
+            for table, out in collected(frames).items():
+                if out.num_rows:
+                    append_once(out, self.settings.table_path(table), self.ledger, batch_id, spark)
 
     def sliding_due(self, spark: SparkSession, tumbling: DataFrame, batch_id: int) -> DataFrame:
         """The sliding windows ending between the previous batch's watermark and this batch's."""
@@ -179,10 +188,9 @@ def write_live_batch(settings: Settings, ledger: BatchLedger) -> BatchWriter:
     path = settings.table_path(LIVE_WINDOWS)
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        with held(batch) as rows:
-            if rows == 0:
-                return
-            merge_once(batch, path, ("window_start", "device_id"), ledger, batch_id)
+        rows = batch.toArrow()  # one Spark job: the batch is read once, so it need not be held
+        if rows.num_rows:
+            merge_once(rows, path, ("window_start", "device_id"), ledger, batch_id, batch.sparkSession)
 
     return write
 

@@ -4,64 +4,45 @@ makes the other's append refused, and the lookup is done again instead of failin
 from __future__ import annotations
 
 import threading
-import time
-from pathlib import Path
 
+import pyarrow as pa
 import pytest
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
-from pyspark.sql.types import BooleanType
+from pyspark.sql import SparkSession
 
 from ingest import landing
 from iotmon.config import Settings
 from iotmon.lake import append_once, create_table, ledger_for
 from iotmon.schema import SILVER, SILVER_SCHEMA, TOO_LATE
 from tests.readings import silver_frame, silver_row
-from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def _held_until(go: Path, started: Path):
-    """A filter that, evaluated in a write's job, says it started and holds the job until ``go`` exists.
-
-    Nondeterministic, so that Spark does not push it below the join into the readings' scan, where a task per
-    partition would hold both cores and leave none for the commit it waits for."""
-
-    def hold(_):  # no type hints: PySpark would try to read a pandas UDF's kind from them, and warn
-        started.touch()
-        deadline = time.monotonic() + 120
-        while not go.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return True
-
-    return F.udf(hold, BooleanType()).asNondeterministic()
-
-
 @pytest.mark.parametrize("writer", ["late_arrivals", "ingest"])
 def test_a_lookup_the_other_writers_commit_made_stale_is_done_again(
-    spark: SparkSession, isolated: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+    spark: SparkSession, isolated: Settings, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
     """Each writer of silver looks readings up (late arrivals: all of them; ingest: those behind the
     watermark, beside its new ones); the other one commits reading 2 while the first append is held."""
     silver = isolated.table_path(SILVER)
     create_table(spark, silver, SILVER_SCHEMA, "silver, fed by the test")
     looked_up = silver_frame(spark, [silver_row("dev-a", seq, seq, lateness=TOO_LATE) for seq in (1, 2, 3)])
-    started, go = tmp_path / "append-started", tmp_path / "other-committed"
+    started, go = threading.Event(), threading.Event()
     appends: list[int] = []
     real_append = landing.append_once
 
-    def append_held_once(frame: DataFrame, path: str, *args, **options) -> bool:
+    def append_held_once(rows: pa.Table, path: str, *args, **options) -> bool:
         """The writer's append; the first one is held, after its lookup read silver, until the other commits."""
-        appends.append(frame.count())
+        appends.append(rows.num_rows)
         if len(appends) == 1:
-            frame = frame.where(_held_until(go, started)(F.col("seq")))
-        return real_append(frame, path, *args, **options)
+            started.set()
+            assert go.wait(120), "the other writer did not commit"
+        return real_append(rows, path, *args, **options)
 
     def other_commits_reading_2() -> None:
-        wait_for(started.exists, 120, "the held append to start")
+        assert started.wait(120), "the held append did not start"
         append_once(silver_frame(spark, [silver_row("dev-a", 2, 2)]), silver, ledger_for("the-other-writer"), 0)
-        go.touch()
+        go.set()
 
     monkeypatch.setattr(landing, "append_once", append_held_once)
     other = threading.Thread(target=other_commits_reading_2, daemon=True)
@@ -69,8 +50,8 @@ def test_a_lookup_the_other_writers_commit_made_stale_is_done_again(
     if writer == "late_arrivals":
         landing.write_late_arrivals(isolated, ledger_for("test-writer"))(looked_up, 0)
     else:
-        new = silver_frame(spark, [silver_row("dev-b", 1, 1)])  # first seen by the state: no lookup
-        landing.append_to_silver(isolated, ledger_for("test-writer"), 0, new, looked_up)
+        new = silver_frame(spark, [silver_row("dev-b", 1, 1)]).toArrow()  # first seen by the state: no lookup
+        landing.append_to_silver(isolated, ledger_for("test-writer"), 0, new, looked_up, spark)
     other.join(60)
 
     # The first append lost to the other commit and was not retried blindly: the second lookup saw reading 2.
