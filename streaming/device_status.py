@@ -572,11 +572,11 @@ def status_batch_writer(settings: Settings) -> Callable[[DataFrame, int], None]:
 
     def write(batch: DataFrame, batch_id: int) -> None:
         with held(batch) as rows:
-            out = collected({changes_path: changes_of(rows), status_path: latest_status(rows)})
-        if out[status_path].num_rows == 0:
+            out = collected({DEVICE_STATUS_CHANGES: changes_of(rows), DEVICE_STATUS: latest_status(rows)})
+        if out[DEVICE_STATUS].num_rows == 0:
             return  # no reading and no timer: nothing to record
-        append_once(out[changes_path], changes_path, ledger, batch_id, batch.sparkSession)
-        merge_once(out[status_path], status_path, (DEVICE_ID,), ledger, batch_id, batch.sparkSession)
+        append_once(out[DEVICE_STATUS_CHANGES], changes_path, ledger, batch_id, batch.sparkSession)
+        merge_once(out[DEVICE_STATUS], status_path, (DEVICE_ID,), ledger, batch_id, batch.sparkSession)
 
     return write
 
