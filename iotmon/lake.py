@@ -227,6 +227,15 @@ def table_version(path: str) -> int:
     return RustDeltaTable(path).version()
 
 
+def _batch_rows(rows: DataFrame | pa.Table, spark: SparkSession | None) -> tuple[SparkSession, Callable[[], pa.Table]]:
+    """The session of a ledger's files, and a batch's rows as Arrow, collected only if a commit needs them (a
+    batch the table already holds costs no Spark job)."""
+    if isinstance(rows, DataFrame):
+        return rows.sparkSession, rows.toArrow
+    assert spark is not None, "Arrow rows need the session of the ledger's files"
+    return spark, lambda: rows
+
+
 def append_once(
     rows: DataFrame | pa.Table,
     path: str,
@@ -250,12 +259,11 @@ def append_once(
     splits its rate-limited batches between files, never inside one, which the scorer's history relies on,
     ``streaming.history``). Every writer of a table the stream writes commits through delta-rs, so on an
     object store they coordinate through one mechanism (docs/configuration.md)."""
-    session = rows.sparkSession if isinstance(rows, DataFrame) else spark
-    assert session is not None, "Arrow rows need the session of the ledger's files"
+    session, arrow_rows = _batch_rows(rows, spark)
 
     def commit(tag: str) -> None:
         table = RustDeltaTable(path) if read_version is None else RustDeltaTable(path, version=read_version)
-        arrow = conformed(rows.toArrow() if isinstance(rows, DataFrame) else rows, _arrow_schema(table))
+        arrow = conformed(arrow_rows(), _arrow_schema(table))
         try:
             _commit_file(table, arrow, [], tag, after_read=read_version is not None)
         except CommitFailedError as exc:
@@ -301,13 +309,12 @@ def merge_once(
     unpartitioned, without deletion vectors (a file's rows are all its rows).
     """
 
-    session = source.sparkSession if isinstance(source, DataFrame) else spark
-    assert session is not None, "Arrow rows need the session of the ledger's files"
+    session, source_rows = _batch_rows(source, spark)
 
     def commit(tag: str) -> None:
         table = RustDeltaTable(path)
         schema = _arrow_schema(table)
-        rows = conformed(source.toArrow() if isinstance(source, DataFrame) else source, schema)
+        rows = conformed(source_rows(), schema)
         files, root = table_files(table)
         sought = rows.select(list(keys))
         touched, kept = [], []

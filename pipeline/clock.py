@@ -151,10 +151,8 @@ class EventClock(threading.Thread):
         if due:
             import pyarrow as pa
 
-            schema = pa.schema(
-                [pa.field(EVENT_TIME, pa.timestamp("us", tz="UTC"), False), pa.field(FOLLOWS, pa.string(), False)]
-            )
-            rows = pa.table([[t.astimezone(UTC) for t in due.values()], list(due)], schema=schema)
+            # Typed by the table's own schema (``append_rows`` conforms the rows to it).
+            rows = pa.table({EVENT_TIME: [t.astimezone(UTC) for t in due.values()], FOLLOWS: list(due)})
             append_rows(rows, self.settings.table_path(STREAM_CLOCK))
             self.ticks += len(due)
 
