@@ -7,6 +7,7 @@ restarted from its checkpoint replays uncommitted batches into idempotent sinks.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import threading
@@ -15,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, TextIO
 
 from pyspark.errors import StreamingQueryException
@@ -47,9 +49,29 @@ class QuerySpec:
     source_reads: int = 1
     """How many times a batch's plan reads its source: Spark's progress counts each read, so a source read
     by two branches of a plan reports twice its rows."""
+    state_variables: tuple[str, ...] = ()
+    """The state variables of its ``transformWithState`` operator, which its checkpoint records: a checkpoint
+    recording others holds state of an earlier version (``recorded_state_variables``)."""
 
     def waiting_for(self, spark: SparkSession, settings: Settings) -> str | None:
         return self.ready(spark, settings) if self.ready is not None else None
+
+
+def recorded_state_variables(checkpoint: Path) -> set[str] | None:
+    """The state variables a query's local checkpoint recorded for its ``transformWithState`` operators
+    (Spark's own timers left out), from the newest operator metadata; None without any."""
+    names: set[str] = set()
+    found = False
+    for versions in checkpoint.glob("state/*/_metadata/v2"):
+        written = [path for path in versions.iterdir() if path.name.isdigit()]
+        if not written:
+            continue
+        newest = max(written, key=lambda path: int(path.name))
+        _, metadata = newest.read_text().split("\n", 1)  # a version line ("v2"), then the JSON
+        properties = json.loads(json.loads(metadata).get("operatorPropertiesJson") or "{}")
+        found = True
+        names |= {v["stateName"] for v in properties.get("stateVariables", []) if not v["stateName"].startswith("$")}
+    return names if found else None
 
 
 def start_query(

@@ -41,6 +41,7 @@ def run_stream(
     from pipeline.topology import (
         ensure_tables,
         lead_queries,
+        outdated_checkpoints,
         pool_weights,
         queries,
         retired_checkpoints,
@@ -57,6 +58,12 @@ def run_stream(
             f"{settings.checkpoint_root} holds checkpoints of queries this version replaced ({', '.join(retired)}): "
             "its ingest query would archive every Kafka record again. Start over with `iotmon reset`, which "
             "keeps Kafka's data for the stream to archive anew (or `make demo ARGS=--fresh`)"
+        )
+    if outdated := outdated_checkpoints(settings):
+        raise ConfigError(
+            f"{settings.checkpoint_root} holds state an earlier version kept differently ({', '.join(outdated)}), "
+            "which Spark cannot read. Rebuild the tables below silver from the archive with `iotmon backfill` "
+            "(it starts those queries anew), or start over with `iotmon reset`"
         )
     registry.import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
     ensure_topic(settings)

@@ -25,7 +25,7 @@ from pyspark.sql import SparkSession
 from ingest.landing import INGEST_QUERY, LATE_ARRIVALS_QUERY, ensure_landing_tables
 from iotmon.config import Settings
 from iotmon.preflight import local_directory
-from iotmon.queries import QuerySpec, Trigger
+from iotmon.queries import QuerySpec, Trigger, recorded_state_variables
 from iotmon.schema import (
     ALERTS,
     ANOMALIES,
@@ -162,6 +162,21 @@ def retired_checkpoints(settings: Settings) -> list[str]:
     if root is None or (root / INGEST_QUERY.name).exists():
         return []
     return [name for name in RETIRED_QUERIES if (root / name / "commits").is_dir()]
+
+
+def outdated_checkpoints(settings: Settings) -> list[str]:
+    """The queries whose local checkpoints hold operator state of an earlier version: state variables other
+    than those their operators declare (``QuerySpec.state_variables``). Spark would fail such a query at its
+    first batch, and again at every restart."""
+    root = local_directory(settings.checkpoint_root)
+    if root is None:
+        return []
+    outdated = []
+    for n in TOPOLOGY:
+        recorded = recorded_state_variables(root / n.name) if n.query.state_variables else None
+        if recorded is not None and recorded != set(n.query.state_variables):
+            outdated.append(n.name)
+    return outdated
 
 
 def ensure_tables(spark: SparkSession, settings: Settings) -> None:

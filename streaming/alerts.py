@@ -29,8 +29,9 @@ and the stream clock's ticks, so a device that reports normally, or a silent fle
 alerts. The filter sits above an observation, which keeps Spark from pushing it below the watermark
 (see ``streaming.sources``). The operator emits each incident it changed, ``version`` numbering a device's
 updates; the ``foreachBatch`` sink MERGEs the latest of each incident into ``alerts`` on ``alert_id``, exactly
-once under the query's transaction id. State (one value per device, RocksDB) keeps each device's latest
-incident, for every device that ever had one.
+once, its commit tagged with the batch (``iotmon.lake.BatchLedger``). State (one value per device, RocksDB)
+keeps each device's latest incident, for every device that ever had one: only devices with anomalous readings
+or an open incident cost the operator a call in a batch, unlike device status (``SHARDS`` there).
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ _STATE_SCHEMA = StructType(
         StructField("timer_ms", LongType()),
     ]
 )
+
+STATE_VARIABLES = ("incident",)
+"""The operator's state variables, recorded in its checkpoint (``pipeline.topology.outdated_checkpoints``)."""
 
 _INPUT_COLUMNS = (
     DEVICE_ID,
@@ -302,7 +306,7 @@ class AlertProcessor(StatefulProcessor):
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self._handle = handle
-        self._incident = handle.getValueState("incident", _STATE_SCHEMA)
+        self._incident = handle.getValueState(STATE_VARIABLES[0], _STATE_SCHEMA)
 
     def handleInputRows(
         self, key: tuple[str], rows: Iterator[pd.DataFrame], timerValues: TimerValues
@@ -495,4 +499,4 @@ def start_alerts(spark: SparkSession, settings: Settings, trigger: Trigger) -> S
     )
 
 
-ALERTS_QUERY = QuerySpec(ALERTS, start_alerts)
+ALERTS_QUERY = QuerySpec(ALERTS, start_alerts, state_variables=STATE_VARIABLES)

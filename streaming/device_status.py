@@ -4,9 +4,9 @@ Rules, all in event time so that a replayed micro-batch writes exactly what it w
 
 * A device is ``online`` when its latest reading is healthy and ``degraded`` when that reading has a metric
   out of range (``out_of_range`` not null) or ``battery < IOTMON_LOW_BATTERY``.
-* It is ``offline`` once it has been silent for ``IOTMON_OFFLINE_AFTER``: every reading arms an event-time
-  timer at ``last_seen + offline_after`` (deleting the previous one); when the watermark reaches it, the
-  device changes to offline with ``changed_at = last_seen + offline_after``, never a wall-clock time.
+* It is ``offline`` once it has been silent for ``IOTMON_OFFLINE_AFTER``: when the watermark reaches
+  ``last_seen + offline_after`` (an event-time timer fires), the device changes to offline with
+  ``changed_at = last_seen + offline_after``, never a wall-clock time.
   A reading that arrives at or after that instant in the same micro-batch as the silence (Spark hands a
   batch's rows to the operator before it fires the batch's timers, and a backlog comes in one batch) is
   preceded by the same offline change, so readings in order give the same changes however they are batched.
@@ -26,20 +26,21 @@ Rules, all in event time so that a replayed micro-batch writes exactly what it w
 The operator emits *status updates*: each change, plus one snapshot row per device and batch whose last
 reading changed nothing (so ``device_status.last_seen`` stays current). ``version`` counts a device's
 updates and orders them within a batch (two changes can share an event time). Both sinks are written in
-one ``foreachBatch``, exactly once: the changes by a Delta transaction id, the current status by a MERGE
-under the same id. State (one value per device, RocksDB) is kept for every device ever seen.
-"""
+one ``foreachBatch``, exactly once: the changes appended, the current status MERGEd, each commit tagged with
+the batch (``iotmon.lake.BatchLedger``). State (RocksDB) is kept for every device ever seen, by shard of the
+fleet: the operator's key is a shard (``SHARDS``), whose state is its devices' states and one timer
+(``DeviceStatusProcessor``)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import numpy as np
 import pandas as pd
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle, StreamingQuery
 from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValues
@@ -121,8 +122,17 @@ _OPERATOR_OUTPUT = StructType(
     ]
 )
 
-_STATE_SCHEMA = StructType(
+SHARDS = 16
+"""The operator's keys: devices hashed into this many shards, each a key with one state holding all its devices.
+
+Python pays per key and batch (an input frame cut out by Spark, an output frame converted to Arrow, state
+calls over a socket), about 2 ms; a batch reaches every device, so with one key per device that was most of
+the query's Python (docs/cost-model.md, "Devices in shards"). Fixed into the checkpoint's state: another
+value needs a new checkpoint (``iotmon reset``)."""
+
+_DEVICE_STATE_SCHEMA = StructType(
     [
+        StructField(DEVICE_ID, StringType()),
         StructField("status", StringType()),
         StructField("since_ms", LongType()),
         StructField("last_seen_ms", LongType()),
@@ -131,11 +141,20 @@ _STATE_SCHEMA = StructType(
         StructField("device_type", StringType()),
         StructField("site", StringType()),
         StructField("version", LongType()),
-        StructField("timer_ms", LongType()),
     ]
 )
+"""One element of a shard's ``devices`` list state: a device's ``DeviceState``."""
+
+_TIMER_SCHEMA = StructType([StructField("timer_ms", LongType())])
+"""A shard's ``timer`` value state: the one event-time timer armed for it."""
+
+STATE_VARIABLES = ("devices", "timer")
+"""The operator's state variables, recorded in its checkpoint (``pipeline.topology.outdated_checkpoints``)."""
+
+SHARD = "shard"
 
 _INPUT_COLUMNS = (
+    SHARD,
     DEVICE_ID,
     EVENT_TIME,
     "event_ms",
@@ -287,15 +306,14 @@ def _kept(state: DeviceState | None, attribute: str) -> str | None:
 # -- The operator ---------------------------------------------------------------------------------------
 
 
-def _state_of(stored: tuple | None) -> tuple[DeviceState | None, int | None]:
-    if stored is None:
-        return None, None
-    *fields, timer_ms = stored
-    return DeviceState(*fields), timer_ms
+def shard_of(device_id: Column) -> Column:
+    """The operator's key of a device: its shard, one of ``SHARDS``."""
+    return F.pmod(F.hash(device_id), F.lit(SHARDS))
 
 
-def _stored(state: DeviceState, timer_ms: int | None) -> tuple:
+def _state_row(device_id: str, state: DeviceState) -> tuple:
     return (
+        device_id,
         state.status,
         state.since_ms,
         state.last_seen_ms,
@@ -304,18 +322,19 @@ def _stored(state: DeviceState, timer_ms: int | None) -> tuple:
         state.device_type,
         state.site,
         state.version,
-        timer_ms,
     )
 
 
-def _frame(device_id: str, updates: list[Update]) -> pd.DataFrame:
-    states = [u.state for u in updates]
+def _frame(changed: Iterable[tuple[str, list[Update]]]) -> pd.DataFrame:
+    """Operator output rows: each device's updates, in order."""
+    rows = [(device_id, update) for device_id, updates in changed for update in updates]
+    states = [update.state for _, update in rows]
     columns = {
-        DEVICE_ID: [device_id] * len(updates),
+        DEVICE_ID: [device_id for device_id, _ in rows],
         "version": [s.version for s in states],
-        "changed": [u.changed for u in updates],
+        "changed": [u.changed for _, u in rows],
         "status": [s.status for s in states],
-        "previous_status": [u.previous_status for u in updates],
+        "previous_status": [u.previous_status for _, u in rows],
         "since_ms": [s.since_ms for s in states],
         "last_seen_ms": [s.last_seen_ms for s in states],
         # object dtype keeps a null seq null instead of turning the column into floats
@@ -331,17 +350,46 @@ def _optional(value: object) -> object:
     return None if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)) else value
 
 
-def significant_readings(state: DeviceState | None, frame: pd.DataFrame, rules: StatusRules) -> list[Reading]:
+def reading_columns(frame: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The operator's input rows as arrays, converted once for all the devices they hold: ``seq`` as
+    ``int | None`` objects, ``battery`` as floats with NaN for null."""
+    seq = [None if _optional(value) is None else int(value) for value in frame[SEQ].to_numpy(dtype=object)]
+    return {
+        DEVICE_ID: frame[DEVICE_ID].to_numpy(dtype=object),
+        "event_ms": frame["event_ms"].to_numpy(dtype=np.int64),
+        SEQ: np.array(seq, dtype=object),
+        "battery": frame["battery"].to_numpy(dtype="float64", na_value=np.nan),
+        **{name: frame[name].to_numpy(dtype=object) for name in ("out_of_range", "device_type", "site")},
+        **{name: frame[name].to_numpy() for name in ARRIVAL_ORDER},
+    }
+
+
+def by_device(columns: Mapping[str, np.ndarray]) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    """Each device's rows of ``columns`` (``reading_columns``), in device order."""
+    devices = columns[DEVICE_ID]
+    if len(devices) == 0:
+        return
+    order = np.argsort(devices, kind="stable")
+    sorted_ids = devices[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    for start, end in zip(starts, [*starts[1:], len(order)], strict=True):
+        rows = order[start:end]
+        yield sorted_ids[start], {name: values[rows] for name, values in columns.items()}
+
+
+def significant_readings(
+    state: DeviceState | None, columns: Mapping[str, np.ndarray], rules: StatusRules
+) -> list[Reading]:
     """The readings of a batch that ``advance`` needs to emit what all of them would, in arrival order: the
     first and the last of the newer ones, each whose status differs from the one before, and both sides of
-    every silence of ``offline_after``. Chosen with array operations on the batch's columns, so that a batch's
-    steady readings never become Python objects: they would only have moved ``last_seen`` on, which the last
-    reading does too. Runs once per device and batch, so it avoids pandas' per-call overhead."""
-    if frame.empty:
+    every silence of ``offline_after``. Chosen with array operations on one device's ``columns``
+    (``reading_columns``), so that a batch's steady readings never become Python objects: they would only
+    have moved ``last_seen`` on, which the last reading does too."""
+    if len(columns["event_ms"]) == 0:
         return []
-    arrival = np.lexsort([frame[column].to_numpy() for column in reversed(ARRIVAL_ORDER)])  # lexsort: last key primary
-    event_ms = frame["event_ms"].to_numpy(dtype=np.int64)[arrival]
-    seqs = [None if _optional(value) is None else int(value) for value in frame[SEQ].to_numpy(dtype=object)[arrival]]
+    arrival = np.lexsort([columns[column] for column in reversed(ARRIVAL_ORDER)])  # lexsort: last key primary
+    event_ms = columns["event_ms"][arrival]
+    seqs = list(columns[SEQ][arrival])
     seq = np.array([-1 if value is None else value for value in seqs], dtype=np.int64)
     # Newer than every reading before it (in arrival order) and than the state: compared by rank of
     # (event time, seq), so that a running maximum says it.
@@ -360,8 +408,8 @@ def significant_readings(state: DeviceState | None, frame: pd.DataFrame, rules: 
         return []
     event_ms = event_ms[newer]
     seqs = [value for value, kept in zip(seqs, newer, strict=True) if kept]
-    battery = frame["battery"].to_numpy(dtype="float64", na_value=np.nan)[rows]
-    out_of_range = frame["out_of_range"].to_numpy(dtype=object)[rows]
+    battery = columns["battery"][rows]
+    out_of_range = columns["out_of_range"][rows]
     flagged = np.array([isinstance(value, str) and value != "" for value in out_of_range], dtype=bool)
     degraded = flagged | (battery < rules.low_battery)  # NaN compares False: no battery, no degradation
     chosen = np.zeros(len(rows), dtype=bool)
@@ -371,8 +419,8 @@ def significant_readings(state: DeviceState | None, frame: pd.DataFrame, rules: 
     silence[1:] = event_ms[1:] >= event_ms[:-1] + rules.offline_after_ms
     chosen |= silence
     chosen[:-1] |= silence[1:]
-    device_type = _filled_forward(frame["device_type"].to_numpy(dtype=object)[rows])
-    site = _filled_forward(frame["site"].to_numpy(dtype=object)[rows])
+    device_type = _filled_forward(columns["device_type"][rows])
+    site = _filled_forward(columns["site"][rows])
     return [
         Reading(
             event_ms=int(event_ms[i]),
@@ -397,8 +445,34 @@ def _filled_forward(values: np.ndarray) -> list[object]:
     return filled
 
 
+def apply_readings(
+    states: dict[str, DeviceState], frame: pd.DataFrame, rules: StatusRules
+) -> list[tuple[str, list[Update]]]:
+    """A batch's readings of several devices applied to their ``states`` (updated in place): each changed
+    device's updates (``advance``), in device order."""
+    changed = []
+    for device_id, columns in by_device(reading_columns(frame)):
+        state = states.get(device_id)
+        updates = advance(state, significant_readings(state, columns, rules), rules)
+        if updates:
+            states[device_id] = updates[-1].state
+            changed.append((device_id, updates))
+    return changed
+
+
+def deadline_of(state: DeviceState, rules: StatusRules) -> int | None:
+    """When the device goes offline if it stays silent; None once it is offline."""
+    return None if state.status == OFFLINE else state.last_seen_ms + rules.offline_after_ms
+
+
 class DeviceStatusProcessor(StatefulProcessor):
-    """Keeps one ``DeviceState`` per device plus its one armed offline timer (``timer_ms``).
+    """Keeps, per shard of the fleet (``SHARDS``), each device's ``DeviceState`` and one event-time timer.
+
+    The timer is armed at or before the earliest deadline of the shard's reporting devices, and not moved
+    on when readings move deadlines later (that would be two state calls per device and batch): when it
+    fires, every device whose deadline the watermark has reached goes offline at its deadline, and it is
+    armed again at the earliest deadline left. A device therefore goes offline in the batch whose
+    watermark reaches its deadline, as a timer of its own would have it.
 
     Spark calls ``handleExpiredTimer`` with keyword arguments, so its parameter names are part of the API.
     """
@@ -408,37 +482,67 @@ class DeviceStatusProcessor(StatefulProcessor):
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self._handle = handle
-        self._device = handle.getValueState("device", _STATE_SCHEMA)
+        self._devices = handle.getListState(STATE_VARIABLES[0], _DEVICE_STATE_SCHEMA)
+        self._timer = handle.getValueState(STATE_VARIABLES[1], _TIMER_SCHEMA)
 
     def handleInputRows(
-        self, key: tuple[str], rows: Iterator[pd.DataFrame], timerValues: TimerValues
+        self, key: tuple[int], rows: Iterator[pd.DataFrame], timerValues: TimerValues
     ) -> Iterator[pd.DataFrame]:
-        state, timer_ms = _state_of(self._device.get())
         frames = list(rows)
-        batch = frames[0] if len(frames) == 1 else pd.concat(frames)  # one frame unless a device's rows are many
-        updates = advance(state, significant_readings(state, batch, self._rules), self._rules)
-        if not updates:
+        batch = frames[0] if len(frames) == 1 else pd.concat(frames)  # one frame unless a shard's rows are many
+        states = self._states()
+        changed = apply_readings(states, batch, self._rules)
+        if not changed:
             return
-        state = updates[-1].state
-        # A reading always leaves the device reporting, so exactly one timer is armed: at its new deadline.
-        deadline = state.last_seen_ms + self._rules.offline_after_ms
-        if timer_ms != deadline:
-            if timer_ms is not None:
-                self._handle.deleteTimer(timer_ms)
-            self._handle.registerTimer(deadline)
-        self._device.update(_stored(state, deadline))
-        yield _frame(key[0], updates)
+        self._store(states)
+        earliest = self._earliest(states)
+        armed = self._armed()
+        if earliest is not None and (armed is None or earliest < armed):
+            if armed is not None:
+                self._handle.deleteTimer(armed)
+            self._arm(earliest)
+        yield _frame(changed)
 
     def handleExpiredTimer(
-        self, key: tuple[str], timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
+        self, key: tuple[int], timerValues: TimerValues, expiredTimerInfo: ExpiredTimerInfo
     ) -> Iterator[pd.DataFrame]:
-        state, timer_ms = _state_of(self._device.get())
-        expiry = expiredTimerInfo.getExpiryTimeInMs()
-        if state is None or state.status == OFFLINE or timer_ms != expiry:
+        if self._armed() != expiredTimerInfo.getExpiryTimeInMs():
             return  # a timer this state no longer armed; Spark deletes it after this call
-        update = go_offline(state, expiry)
-        self._device.update(_stored(update.state, None))
-        yield _frame(key[0], [update])
+        # Timers fire up to the watermark, so every deadline up to it has passed.
+        watermark, states, changed = timerValues.getCurrentWatermarkInMs(), self._states(), []
+        for device_id, state in states.items():
+            deadline = deadline_of(state, self._rules)
+            if deadline is not None and deadline <= watermark:
+                update = go_offline(state, deadline)
+                states[device_id] = update.state
+                changed.append((device_id, [update]))
+        if changed:
+            self._store(states)
+        earliest = self._earliest(states)
+        if earliest is None:
+            self._timer.clear()
+        else:
+            self._arm(earliest)
+        if changed:
+            yield _frame(changed)
+
+    def _states(self) -> dict[str, DeviceState]:
+        return {row[0]: DeviceState(*row[1:]) for row in self._devices.get()}
+
+    def _store(self, states: dict[str, DeviceState]) -> None:
+        self._devices.put([_state_row(device_id, state) for device_id, state in states.items()])
+
+    def _earliest(self, states: dict[str, DeviceState]) -> int | None:
+        deadlines = [d for d in (deadline_of(s, self._rules) for s in states.values()) if d is not None]
+        return min(deadlines, default=None)
+
+    def _armed(self) -> int | None:
+        stored = self._timer.get()
+        return stored[0] if stored is not None else None
+
+    def _arm(self, at_ms: int) -> None:
+        self._handle.registerTimer(at_ms)
+        self._timer.update((at_ms,))
 
     def close(self) -> None:
         pass
@@ -459,9 +563,10 @@ def status_updates(readings: DataFrame, settings: Settings) -> DataFrame:
         .where(F.col(DEVICE_ID).isNotNull())  # the event-time clock's ticks only move the watermark
         .where(F.col("arrival_delay_s") <= interval_seconds(settings.status_lateness))
         .withColumn("event_ms", F.unix_millis(EVENT_TIME))
+        .withColumn(SHARD, shard_of(F.col(DEVICE_ID)))
         .select(*_INPUT_COLUMNS)
     )
-    updates = operator_input.groupBy(DEVICE_ID).transformWithStateInPandas(
+    updates = operator_input.groupBy(SHARD).transformWithStateInPandas(
         statefulProcessor=DeviceStatusProcessor(rules),
         outputStructType=_OPERATOR_OUTPUT,
         outputMode="Update",
@@ -506,23 +611,24 @@ def status_history(
     )
     schema = StructType([*_OPERATOR_OUTPUT.fields, StructField(OFFLINE_UNSETTLED, BooleanType())])
 
-    def device(frame: pd.DataFrame) -> pd.DataFrame:
-        updates = advance(None, significant_readings(None, frame, rules), rules)
-        unsettled = False
-        if updates and reached_ms is not None and updates[-1].state.status != OFFLINE:
-            deadline = updates[-1].state.last_seen_ms + rules.offline_after_ms
-            if deadline <= reached_ms:
-                updates.append(go_offline(updates[-1].state, deadline))
-                unsettled = settled_ms is None or deadline > settled_ms
-        rows = _frame(frame[DEVICE_ID].iloc[0], updates)
-        return rows.assign(**{OFFLINE_UNSETTLED: [False] * (len(rows) - 1) + [unsettled]} if len(rows) else {})
+    def shard(frame: pd.DataFrame) -> pd.DataFrame:
+        devices, unsettled = [], []
+        for device_id, updates in apply_readings({}, frame, rules):
+            deadline, closed = deadline_of(updates[-1].state, rules), False
+            if deadline is not None and reached_ms is not None and deadline <= reached_ms:
+                updates = [*updates, go_offline(updates[-1].state, deadline)]
+                closed = settled_ms is None or deadline > settled_ms
+            devices.append((device_id, updates))
+            unsettled += [False] * (len(updates) - 1) + [closed]
+        return _frame(devices).assign(**{OFFLINE_UNSETTLED: unsettled})
 
     counted = readings.where(F.col("arrival_delay_s") <= interval_seconds(settings.status_lateness))
     history = (
         counted.withColumn("event_ms", F.unix_millis(EVENT_TIME))
+        .withColumn(SHARD, shard_of(F.col(DEVICE_ID)))
         .select(*_INPUT_COLUMNS)
-        .groupBy(DEVICE_ID)
-        .applyInPandas(device, schema)
+        .groupBy(SHARD)
+        .applyInPandas(shard, schema)
     )
     return _with_timestamps(history, OFFLINE_UNSETTLED)
 
@@ -595,4 +701,4 @@ def start_device_status(spark: SparkSession, settings: Settings, trigger: Trigge
     )
 
 
-DEVICE_STATUS_QUERY = QuerySpec(DEVICE_STATUS, start_device_status)
+DEVICE_STATUS_QUERY = QuerySpec(DEVICE_STATUS, start_device_status, state_variables=STATE_VARIABLES)

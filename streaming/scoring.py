@@ -9,8 +9,8 @@ model's scores (``ml.model.ScoringRule``), the same numpy arithmetic as in train
 The model is resolved per micro-batch: the ``champion`` alias, read at every batch, so a promotion takes
 effect at the next trigger without a restart. The version a batch used is *pinned* in the checkpoint
 (``<checkpoint>/model-pins/<batch id>``) before anything is written; a batch replayed after a crash reads
-its pin and scores with the same version, and the write is tagged with the query's transaction id, so
-Delta keeps one copy. A champion that cannot be loaded is skipped for the last good version; with no
+its pin and scores with the same version, and the write is tagged with the batch (``iotmon.lake.BatchLedger``),
+so the table keeps one copy. A champion that cannot be loaded is skipped for the last good version; with no
 usable model at all the query does not run (``scoring_ready``), and the archive and analytics go on. When
 a model appears the scorer starts from its checkpoint, so every reading that arrived meanwhile is scored.
 """

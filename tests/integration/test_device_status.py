@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings
 from iotmon.lake import create_table
-from iotmon.queries import AVAILABLE_NOW
+from iotmon.queries import AVAILABLE_NOW, recorded_state_variables
 from iotmon.schema import DEGRADED, DEVICE_STATUS, DEVICE_STATUS_CHANGES, OFFLINE, ONLINE, SILVER, SILVER_SCHEMA
-from streaming.device_status import DEVICE_STATUS_QUERY, start_device_status
+from streaming.device_status import DEVICE_STATUS_QUERY, STATE_VARIABLES, shard_of, start_device_status
 from tests.readings import at, silver_frame, silver_row
 
 pytestmark = pytest.mark.integration
@@ -52,6 +53,11 @@ def _rows(spark: SparkSession, settings: Settings, table: str) -> list[tuple[Any
     return sorted((tuple(row) for row in frame.collect()), key=repr)
 
 
+def _shards(spark: SparkSession, *devices: str) -> list[int]:
+    frame = spark.createDataFrame([(d,) for d in devices], "device_id string")
+    return [row[0] for row in frame.select(shard_of(F.col("device_id"))).collect()]
+
+
 def _current(spark: SparkSession, settings: Settings) -> dict[str, tuple[Any, ...]]:
     """device_id -> (status, since, last_seen, reason)."""
     return {row[0]: row[1:5] for row in _rows(spark, settings, DEVICE_STATUS)}
@@ -78,6 +84,7 @@ EXPECTED_CHANGES = sorted(
         ("dev-b", ONLINE, DEGRADED, at(10), "reporting", at(10), 3),
         ("dev-b", DEGRADED, ONLINE, at(100), "out of range: temperature", at(100), 8),
         ("dev-c", ONLINE, None, at(95), "reporting", at(95), 1),
+        ("dev-q", ONLINE, None, at(0), "reporting", at(0), 1),
     ],
     key=repr,
 )
@@ -86,6 +93,7 @@ EXPECTED_STATUS = sorted(
         ("dev-a", ONLINE, at(100), at(100), "reporting", "pump", "site-1"),
         ("dev-b", DEGRADED, at(100), at(100), "out of range: temperature", "motor", "site-2"),
         ("dev-c", ONLINE, at(95), at(95), "reporting", "pump", "site-3"),
+        ("dev-q", ONLINE, at(0), at(100), "reporting", "pump", "site-1"),
     ],
     key=repr,
 )
@@ -93,17 +101,24 @@ EXPECTED_STATUS = sorted(
 
 def test_status_transitions_offline_timer_and_replay(spark: SparkSession, settings: Settings) -> None:
     assert DEVICE_STATUS_QUERY.name == DEVICE_STATUS
+    # dev-q shares dev-a's shard and keeps reporting while dev-a falls silent: the shard's one timer must
+    # still take dev-a offline at its own deadline, in the batch whose watermark reaches it.
+    assert _shards(spark, "dev-a", "dev-q", "dev-b") == [8, 8, 10]
     create_table(spark, settings.table_path(SILVER), SILVER_SCHEMA, "silver, fed by the test")
 
     def b(seq: int, seconds: float, **values: Any) -> dict[str, Any]:
         return silver_row("dev-b", seq, seconds, device_type="motor", site="site-2", **values)
 
+    def q(seq: int, seconds: float) -> dict[str, Any]:
+        return silver_row("dev-q", seq, seconds)
+
     query = start_device_status(spark, settings, TRIGGER)
     try:
-        _append(spark, settings, query, [silver_row("dev-a", 1, 0), b(1, 0)])
+        _append(spark, settings, query, [silver_row("dev-a", 1, 0), b(1, 0), q(1, 0)])
         assert _current(spark, settings) == {
             "dev-a": (ONLINE, at(0), at(0), "reporting"),
             "dev-b": (ONLINE, at(0), at(0), "reporting"),
+            "dev-q": (ONLINE, at(0), at(0), "reporting"),
         }
 
         # dev-b dips and recovers within one batch: both transitions are recorded.
@@ -111,21 +126,23 @@ def test_status_transitions_offline_timer_and_replay(spark: SparkSession, settin
         assert _current(spark, settings) == {
             "dev-a": (DEGRADED, at(10), at(10), "battery 12.0% < 15%"),
             "dev-b": (ONLINE, at(10), at(10), "reporting"),
+            "dev-q": (ONLINE, at(0), at(0), "reporting"),
         }
 
         # A reading without a change still moves last_seen on.
-        _append(spark, settings, query, [silver_row("dev-a", 3, 20), b(4, 20)])
+        _append(spark, settings, query, [silver_row("dev-a", 3, 20), b(4, 20), q(2, 20)])
         assert _current(spark, settings)["dev-b"] == (ONLINE, at(10), at(20), "reporting")
 
         # dev-a falls silent. Its deadline (80 s) is not behind the watermark (50 - 10 s) yet: still online.
-        _append(spark, settings, query, [b(5, 50)])
+        _append(spark, settings, query, [b(5, 50), q(3, 50)])
         assert _current(spark, settings)["dev-a"] == (ONLINE, at(20), at(20), "reporting")
 
         # dev-b moves the watermark to 85 s: dev-a's timer fires, dated at its deadline, not at 85 s.
-        _append(spark, settings, query, [b(7, 95)])
+        _append(spark, settings, query, [b(7, 95), q(4, 95)])
         assert _current(spark, settings)["dev-a"] == (OFFLINE, at(80), at(20), "silent for 60s")
+        assert _current(spark, settings)["dev-q"] == (ONLINE, at(0), at(95), "reporting")
 
-        _append(spark, settings, query, [silver_row("dev-a", 4, 100), b(8, 100, out_of_range="temperature")])
+        _append(spark, settings, query, [silver_row("dev-a", 4, 100), b(8, 100, out_of_range="temperature"), q(5, 100)])
         assert _current(spark, settings)["dev-a"] == (ONLINE, at(100), at(100), "reporting")
 
         # Behind dev-b's last reading yet ahead of the watermark (90 s): changes nothing. A new device joins.
@@ -135,6 +152,8 @@ def test_status_transitions_offline_timer_and_replay(spark: SparkSession, settin
         query.stop()
 
     assert _rows(spark, settings, DEVICE_STATUS_CHANGES) == EXPECTED_CHANGES
+    # What the checkpoint records is what a later version is checked against (pipeline.topology).
+    assert recorded_state_variables(Path(settings.checkpoint_path(DEVICE_STATUS))) == set(STATE_VARIABLES)
     assert _rows(spark, settings, DEVICE_STATUS) == EXPECTED_STATUS
 
     # Crash between the sinks' commits and the checkpoint's: the last batch is run again on restart.

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pyspark.sql import DataFrame, SparkSession
 
 from iotmon.config import Settings
-from iotmon.schema import DEGRADED, OFFLINE, ONLINE, SEQ
+from iotmon.schema import DEGRADED, DEVICE_ID, OFFLINE, ONLINE, SEQ
 from streaming.device_status import (
     DEVICE_STATUS_CHANGES_SCHEMA,
     DEVICE_STATUS_SCHEMA,
@@ -20,10 +20,12 @@ from streaming.device_status import (
     StatusRules,
     Update,
     advance,
+    apply_readings,
     assess,
     changes_of,
     go_offline,
     latest_status,
+    reading_columns,
     significant_readings,
     silence_reason,
     status_updates,
@@ -172,9 +174,10 @@ def test_registry_columns_are_kept_when_a_reading_lacks_them() -> None:
 # -- which readings of a batch the rules need ---------------------------------------------------------------
 
 
-def _frame(readings: list[Reading]) -> pd.DataFrame:
+def _frame(readings: list[Reading], devices: list[str] | None = None) -> pd.DataFrame:
     return pd.DataFrame(
         {
+            DEVICE_ID: devices if devices is not None else ["dev-a"] * len(readings),
             "event_ms": [r.event_ms for r in readings],
             SEQ: pd.array([r.seq for r in readings], dtype="Int64"),
             "battery": [r.battery for r in readings],
@@ -187,18 +190,16 @@ def _frame(readings: list[Reading]) -> pd.DataFrame:
     )
 
 
-_READINGS = st.lists(
-    st.builds(
-        Reading,
-        event_ms=st.integers(0, 400_000),
-        seq=st.one_of(st.none(), st.integers(1, 30)),
-        battery=st.one_of(st.none(), st.sampled_from([5.0, 14.9, 15.0, 90.0])),
-        out_of_range=st.sampled_from([None, "", "temperature", "vibration,battery"]),
-        device_type=st.sampled_from([None, "pump", "motor"]),
-        site=st.sampled_from([None, "site-1", "site-2"]),
-    ),
-    max_size=25,
+_READING = st.builds(
+    Reading,
+    event_ms=st.integers(0, 400_000),
+    seq=st.one_of(st.none(), st.integers(1, 30)),
+    battery=st.one_of(st.none(), st.sampled_from([5.0, 14.9, 15.0, 90.0])),
+    out_of_range=st.sampled_from([None, "", "temperature", "vibration,battery"]),
+    device_type=st.sampled_from([None, "pump", "motor"]),
+    site=st.sampled_from([None, "site-1", "site-2"]),
 )
+_READINGS = st.lists(_READING, max_size=25)
 _STATES = st.one_of(
     st.none(),
     st.builds(
@@ -221,14 +222,35 @@ def test_the_significant_readings_give_the_same_updates_as_all_of_them(
     state: DeviceState | None, readings: list[Reading]
 ) -> None:
     """The operator hands the rules only some readings of a batch; what they emit must not change."""
-    chosen = significant_readings(state, _frame(readings), RULES)
+    chosen = significant_readings(state, reading_columns(_frame(readings)), RULES)
     assert advance(state, chosen, RULES) == advance(state, readings, RULES)
     assert len(chosen) <= len(readings)
 
 
 def test_steady_readings_are_not_handed_over_one_by_one() -> None:
     steady = [reading(i, i + 1) for i in range(1, 50)]
-    assert [r.seq for r in significant_readings(ONLINE_AT_0, _frame(steady), RULES)] == [2, 50]
+    assert [r.seq for r in significant_readings(ONLINE_AT_0, reading_columns(_frame(steady)), RULES)] == [2, 50]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arrivals=st.lists(st.tuples(st.sampled_from(["dev-a", "dev-b", "dev-c"]), _READING), max_size=40),
+    known=st.fixed_dictionaries({"dev-a": _STATES, "dev-c": _STATES}),
+)
+def test_a_shard_applies_each_device_s_readings_as_if_it_were_alone(
+    arrivals: list[tuple[str, Reading]], known: dict[str, DeviceState | None]
+) -> None:
+    """The operator's key is a shard of devices: their readings arrive interleaved, each device's apply to it."""
+    states = {device: state for device, state in known.items() if state is not None}
+    alone = {
+        device: advance(states.get(device), [r for d, r in arrivals if d == device], RULES)
+        for device in sorted({d for d, _ in arrivals})
+    }
+    frame = _frame([r for _, r in arrivals], [d for d, _ in arrivals])
+    changed = apply_readings(states, frame, RULES)
+    assert changed == [(device, updates) for device, updates in alone.items() if updates]
+    for device, updates in changed:
+        assert states[device] == updates[-1].state
 
 
 # -- the operator on a static frame ---------------------------------------------------------------------

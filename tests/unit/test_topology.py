@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from iotmon.config import Settings
@@ -23,6 +24,7 @@ from pipeline.topology import (
     downstream_of,
     lead_queries,
     node,
+    outdated_checkpoints,
     queries,
     retired_checkpoints,
     trigger_of,
@@ -66,6 +68,29 @@ def test_checkpoints_of_the_retired_bronze_and_silver_queries_are_found(tmp_path
     assert retired_checkpoints(settings) == ["bronze", "silver"]
     (root / INGEST).mkdir()  # this version has run here: the old folders are left over, not resumed
     assert retired_checkpoints(settings) == []
+
+
+def _operator_metadata(checkpoint: Path, batch: int, *state_variables: str) -> None:
+    """What Spark 4.2 writes for a transformWithState operator at a batch (``state/0/_metadata/v2/<batch>``)."""
+    names = [*state_variables, "$eventTimers_keyToTimestamp"]
+    properties = {"timeMode": "EventTime", "stateVariables": [{"stateName": n, "ttlEnabled": False} for n in names]}
+    metadata = {"operatorInfo": {"operatorId": 0}, "operatorPropertiesJson": json.dumps(properties)}
+    folder = checkpoint / "state" / "0" / "_metadata" / "v2"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / str(batch)).write_text("v2\n" + json.dumps(metadata))
+
+
+def test_checkpoints_holding_state_of_an_earlier_version_are_found(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    checkpoint = Path(settings.checkpoint_path(DEVICE_STATUS))
+    assert outdated_checkpoints(settings) == []
+    _operator_metadata(checkpoint, 0, *node(DEVICE_STATUS).query.state_variables)
+    assert outdated_checkpoints(settings) == []
+    _operator_metadata(checkpoint, 7, "device")  # one value per device, as before the shards
+    assert outdated_checkpoints(settings) == [DEVICE_STATUS]
+    (checkpoint / "state" / "0" / "_metadata" / "v2" / "7").unlink()
+    _operator_metadata(checkpoint, 12, *node(DEVICE_STATUS).query.state_variables)
+    assert outdated_checkpoints(settings) == []
 
 
 def test_each_query_runs_as_often_as_its_tables_are_due() -> None:
