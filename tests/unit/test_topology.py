@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
-from iotmon.config import Settings
+import pytest
+
+from iotmon.config import ConfigError, Settings
 from iotmon.schema import (
     ALERTS,
     ANOMALIES,
@@ -17,6 +20,7 @@ from iotmon.schema import (
     QUARANTINE,
     SILVER,
 )
+from pipeline.stream import run_stream
 from pipeline.topology import (
     KAFKA,
     TOPOLOGY,
@@ -91,6 +95,13 @@ def test_checkpoints_holding_state_of_an_earlier_version_are_found(tmp_path: Pat
     (checkpoint / "state" / "0" / "_metadata" / "v2" / "7").unlink()
     _operator_metadata(checkpoint, 12, *node(DEVICE_STATUS).query.state_variables)
     assert outdated_checkpoints(settings) == []
+
+
+def test_a_stream_refuses_to_start_on_state_of_an_earlier_version(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    _operator_metadata(Path(settings.checkpoint_path(DEVICE_STATUS)), 3, "device")
+    with pytest.raises(ConfigError, match=r"state an earlier version kept differently \(device_status\).*backfill"):
+        run_stream(settings, threading.Event())  # before it touches Kafka or Spark
 
 
 def test_each_query_runs_as_often_as_its_tables_are_due() -> None:
