@@ -60,18 +60,20 @@ class QuerySpec:
 def recorded_state_variables(checkpoint: Path) -> set[str] | None:
     """The state variables a query's local checkpoint recorded for its ``transformWithState`` operators
     (Spark's own timers left out), from the newest operator metadata; None without any."""
-    names: set[str] = set()
-    found = False
+    names: set[str] | None = None
     for versions in checkpoint.glob("state/*/_metadata/v2"):
         written = [path for path in versions.iterdir() if path.name.isdigit()]
         if not written:
             continue
         newest = max(written, key=lambda path: int(path.name))
-        _, metadata = newest.read_text().split("\n", 1)  # a version line ("v2"), then the JSON
-        properties = json.loads(json.loads(metadata).get("operatorPropertiesJson") or "{}")
-        found = True
-        names |= {v["stateName"] for v in properties.get("stateVariables", []) if not v["stateName"].startswith("$")}
-    return names if found else None
+        try:
+            _, metadata = newest.read_text().split("\n", 1)  # a version line ("v2"), then the JSON
+            variables = json.loads(json.loads(metadata).get("operatorPropertiesJson") or "{}")["stateVariables"]
+            recorded = {v["stateName"] for v in variables if not v["stateName"].startswith("$")}
+        except (ValueError, KeyError, TypeError):
+            continue  # not a transformWithState operator's, or not Spark 4's format: nothing to tell
+        names = (names or set()) | recorded
+    return names
 
 
 def start_query(
