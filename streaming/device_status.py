@@ -125,10 +125,10 @@ _OPERATOR_OUTPUT = StructType(
 SHARDS = 16
 """The operator's keys: devices hashed into this many shards, each a key with one state holding all its devices.
 
-Python pays per key and batch (an input frame cut out by Spark, an output frame converted to Arrow, state
-calls over a socket), about 2 ms; a batch reaches every device, so with one key per device that was most of
-the query's Python (docs/cost-model.md, "Devices in shards"). Fixed into the checkpoint's state: another
-value needs a new checkpoint (``iotmon reset``)."""
+Each key costs about 3 ms of CPU a batch, the JVM's and Python's (an input frame cut out for it, an output
+frame converted to Arrow, state calls over a socket), and a batch reaches every device: with one key per
+device that was most of the query's Python (docs/cost-model.md, "Devices in shards"). Fixed into the
+checkpoint's state: another value needs a new checkpoint (``iotmon backfill`` or ``iotmon reset``)."""
 
 _DEVICE_STATE_SCHEMA = StructType(
     [
