@@ -128,7 +128,8 @@ SHARDS = 16
 Each key costs about 3 ms of CPU a batch, the JVM's and Python's (an input frame cut out for it, an output
 frame converted to Arrow, state calls over a socket), and a batch reaches every device: with one key per
 device that was most of the query's Python (docs/cost-model.md, "Devices in shards"). Fixed into the
-checkpoint's state: another value needs a new checkpoint (``iotmon backfill`` or ``iotmon reset``)."""
+checkpoint's state (``STATE_VARIABLES``): another value needs a new checkpoint (``iotmon backfill`` or
+``iotmon reset``)."""
 
 _DEVICE_STATE_SCHEMA = StructType(
     [
@@ -143,13 +144,15 @@ _DEVICE_STATE_SCHEMA = StructType(
         StructField("version", LongType()),
     ]
 )
-"""One element of a shard's ``devices`` list state: a device's ``DeviceState``."""
+"""One element of a shard's list of devices (``STATE_VARIABLES``): a device's ``DeviceState``."""
 
 _TIMER_SCHEMA = StructType([StructField("timer_ms", LongType())])
 """A shard's ``timer`` value state: the one event-time timer armed for it."""
 
-STATE_VARIABLES = ("devices", "timer")
-"""The operator's state variables, recorded in its checkpoint (``pipeline.topology.outdated_checkpoints``)."""
+STATE_VARIABLES = (f"devices_of_{SHARDS}_shards", "timer")
+"""The operator's state variables, recorded in its checkpoint (``pipeline.topology.outdated_checkpoints``); the
+first names the shard count, so a checkpoint of another count is refused rather than read with devices looked
+for in the wrong shard."""
 
 SHARD = "shard"
 
