@@ -92,7 +92,8 @@ def test_checkpoints_holding_state_of_an_earlier_version_are_found(tmp_path: Pat
     assert outdated_checkpoints(settings) == []
     _operator_metadata(checkpoint, 7, "device")  # one value per device, as before the shards
     assert outdated_checkpoints(settings) == [DEVICE_STATUS]
-    (checkpoint / "state" / "0" / "_metadata" / "v2" / "7").unlink()
+    _operator_metadata(checkpoint, 9, "devices_of_8_shards", "timer")  # another shard count
+    assert outdated_checkpoints(settings) == [DEVICE_STATUS]
     _operator_metadata(checkpoint, 12, *node(DEVICE_STATUS).query.state_variables)
     assert outdated_checkpoints(settings) == []
 
