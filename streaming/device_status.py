@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 
 import numpy as np
@@ -315,17 +315,9 @@ def shard_of(device_id: Column) -> Column:
 
 
 def _state_row(device_id: str, state: DeviceState) -> tuple:
-    return (
-        device_id,
-        state.status,
-        state.since_ms,
-        state.last_seen_ms,
-        state.seq,
-        state.reason,
-        state.device_type,
-        state.site,
-        state.version,
-    )
+    """A device's element of its shard's list state (``_DEVICE_STATE_SCHEMA``): the id, then ``DeviceState``'s
+    fields in order, as ``DeviceStatusProcessor._states`` reads them back."""
+    return (device_id, *(getattr(state, field.name) for field in fields(DeviceState)))
 
 
 def _frame(changed: Iterable[tuple[str, list[Update]]]) -> pd.DataFrame:
