@@ -19,7 +19,8 @@ from pyspark.sql.streaming.listener import (
     QueryTerminatedEvent,
 )
 
-from iotmon.ops import JsonEventListener, progress_row
+from iotmon.ops import progress_row
+from iotmon.queries import JsonEventListener
 
 BATCH_PHASES: tuple[str, ...] = ("latestOffset", "getBatch", "queryPlanning", "addBatch", "walCommit", "commitOffsets")
 """The phases of a micro-batch its progress times (``durationMs``): the source's new offsets, the batch's data

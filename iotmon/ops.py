@@ -32,12 +32,11 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar, ParamSpec, TextIO
+from typing import Any, ParamSpec, TextIO
 
 import pyarrow as pa
 from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.streaming import StreamingQueryListener
 from pyspark.sql.streaming.listener import (
     QueryIdleEvent,
     QueryProgressEvent,
@@ -47,7 +46,7 @@ from pyspark.sql.streaming.listener import (
 
 from iotmon.config import Settings
 from iotmon.lake import append_once, ledger_for
-from iotmon.queries import explain
+from iotmon.queries import JsonEventListener, explain
 from iotmon.schema import QUERY_PROGRESS, QUERY_PROGRESS_SCHEMA
 
 P = ParamSpec("P")
@@ -251,49 +250,6 @@ class RunFile:
 
 
 # --- the recorder ------------------------------------------------------------------------------------------
-
-
-class JsonEventListener(StreamingQueryListener):
-    """A streaming query listener whose events are read from the JSON Spark renders them as.
-
-    PySpark's own adapter copies a progress report into Python field by field, a py4j round trip each, and
-    resolves a JVM class by name for every observed metric; on the listener bus's thread such a lookup
-    searches every jar on the class path: 60-65 ms of that thread and 25-28 ms of the Python driver an event
-    (docs/cost-model.md). Here each event costs one call (``json()``), about 1 ms, and the listener gets
-    PySpark's own event classes, built with their ``fromJson``.
-    """
-
-    @property
-    def _jlistener(self) -> Any:  # what ``StreamingQueryManager.addListener`` registers
-        if not hasattr(self, "_json_jlistener"):
-            from pyspark import SparkContext
-
-            jvm = SparkContext._jvm
-            assert jvm is not None, "listeners are installed on a running session"
-            self._json_jlistener = jvm.PythonStreamingQueryListenerWrapper(_EventsFromJson(self))
-        return self._json_jlistener
-
-
-class _EventsFromJson:
-    """The Java interface PySpark's listeners implement (``PythonStreamingQueryListener``), over JSON."""
-
-    def __init__(self, listener: StreamingQueryListener) -> None:
-        self.listener = listener
-
-    def onQueryStarted(self, jevent: Any) -> None:
-        self.listener.onQueryStarted(QueryStartedEvent.fromJson(json.loads(jevent.json())))
-
-    def onQueryProgress(self, jevent: Any) -> None:
-        self.listener.onQueryProgress(QueryProgressEvent.fromJson(json.loads(jevent.json())))
-
-    def onQueryIdle(self, jevent: Any) -> None:
-        self.listener.onQueryIdle(QueryIdleEvent.fromJson(json.loads(jevent.json())))
-
-    def onQueryTerminated(self, jevent: Any) -> None:
-        self.listener.onQueryTerminated(QueryTerminatedEvent.fromJson(json.loads(jevent.json())))
-
-    class Java:
-        implements: ClassVar[list[str]] = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
 
 
 def _reported(method: Callable[P, None]) -> Callable[P, None]:

@@ -13,15 +13,22 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import SparkSession
-from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming import StreamingQuery, StreamingQueryListener
+from pyspark.sql.streaming.listener import (
+    QueryIdleEvent,
+    QueryProgressEvent,
+    QueryStartedEvent,
+    QueryTerminatedEvent,
+)
 
 from iotmon.config import Settings
 
@@ -106,6 +113,125 @@ def wrote_batch(progress: Mapping[str, Any] | None) -> bool:
     return progress is not None and "addBatch" in progress["durationMs"]
 
 
+class JsonEventListener(StreamingQueryListener):
+    """A streaming query listener whose events are read from the JSON Spark renders them as.
+
+    PySpark's own adapter copies a progress report into Python field by field, a py4j round trip each, and
+    resolves a JVM class by name for every observed metric; on the listener bus's thread such a lookup
+    searches every jar on the class path: 60-65 ms of that thread and 25-28 ms of the Python driver an event
+    (docs/cost-model.md). Here each event costs one call (``json()``), about 1 ms, and the listener gets
+    PySpark's own event classes, built with their ``fromJson``.
+    """
+
+    @property
+    def _jlistener(self) -> Any:  # what ``StreamingQueryManager.addListener`` registers
+        if not hasattr(self, "_json_jlistener"):
+            from pyspark import SparkContext
+
+            jvm = SparkContext._jvm
+            assert jvm is not None, "listeners are installed on a running session"
+            self._json_jlistener = jvm.PythonStreamingQueryListenerWrapper(_EventsFromJson(self))
+        return self._json_jlistener
+
+
+class _EventsFromJson:
+    """The Java interface PySpark's listeners implement (``PythonStreamingQueryListener``), over JSON."""
+
+    def __init__(self, listener: StreamingQueryListener) -> None:
+        self.listener = listener
+
+    def onQueryStarted(self, jevent: Any) -> None:
+        self.listener.onQueryStarted(QueryStartedEvent.fromJson(json.loads(jevent.json())))
+
+    def onQueryProgress(self, jevent: Any) -> None:
+        self.listener.onQueryProgress(QueryProgressEvent.fromJson(json.loads(jevent.json())))
+
+    def onQueryIdle(self, jevent: Any) -> None:
+        self.listener.onQueryIdle(QueryIdleEvent.fromJson(json.loads(jevent.json())))
+
+    def onQueryTerminated(self, jevent: Any) -> None:
+        self.listener.onQueryTerminated(QueryTerminatedEvent.fromJson(json.loads(jevent.json())))
+
+    class Java:
+        implements: ClassVar[list[str]] = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
+
+
+class QueryEvents(JsonEventListener):
+    """What a supervisor knows of its queries' runs, as Spark's listener bus tells it: each run's last progress
+    report, the newest that read rows, whether a batch of it reached its sink, whether it has ended.
+
+    Asking the queries instead (``isActive``, ``lastProgress``, ``recentProgress``) is a py4j round trip each,
+    served by a JVM thread too: a supervisor asking seven queries twice a second held the Python driver's
+    interpreter more than anything but the writes (docs/cost-model.md). The bus tells each report once, as its
+    batch ends. Install it before the queries it follows start (``query_events``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[str, Mapping[str, Any]] = {}
+        self._with_rows: dict[str, Mapping[str, Any]] = {}
+        self._wrote: set[str] = set()
+        self._ended: set[str] = set()
+
+    def onQueryStarted(self, event: QueryStartedEvent) -> None:
+        """A run's start is known to whoever started it."""
+
+    def onQueryProgress(self, event: QueryProgressEvent) -> None:
+        self.progressed(json.loads(event.progress.json))
+
+    def onQueryIdle(self, event: QueryIdleEvent) -> None:
+        """A trigger that found nothing to do leaves the last report as it was, as it does ``lastProgress``."""
+
+    def onQueryTerminated(self, event: QueryTerminatedEvent) -> None:
+        self.terminated(str(event.runId))
+
+    def progressed(self, progress: Mapping[str, Any]) -> None:
+        """A run's next progress report."""
+        run = progress["runId"]
+        with self._lock:
+            self._last[run] = progress
+            if progress["numInputRows"]:
+                self._with_rows[run] = progress
+            if wrote_batch(progress):
+                self._wrote.add(run)
+
+    def terminated(self, run: str) -> None:
+        """A run has ended, failed or stopped."""
+        with self._lock:
+            self._ended.add(run)
+
+    def last(self, run: str) -> Mapping[str, Any] | None:
+        """The run's last progress report: None until it has finished a batch."""
+        with self._lock:
+            return self._last.get(run)
+
+    def newest_with_rows(self, run: str) -> Mapping[str, Any] | None:
+        """The run's newest report of a batch that read rows (a stateful query follows one with a batch
+        without data to move its watermark on, which then is the last report)."""
+        with self._lock:
+            return self._with_rows.get(run)
+
+    def wrote(self, run: str) -> bool:
+        """Whether a batch of the run reached its sink."""
+        with self._lock:
+            return run in self._wrote
+
+    def ended(self, run: str) -> bool:
+        with self._lock:
+            return run in self._ended
+
+
+@contextmanager
+def query_events(spark: SparkSession) -> Iterator[QueryEvents]:
+    """The events of ``spark``'s queries while the block runs."""
+    events = QueryEvents()
+    spark.streams.addListener(events)
+    try:
+        yield events
+    finally:
+        spark.streams.removeListener(events)
+
+
 class QueryFailed(RuntimeError):
     """A query failed more often in a row than ``IOTMON_QUERY_RESTARTS`` allows."""
 
@@ -140,15 +266,15 @@ def explain(error: BaseException | str) -> str:
     return summary + ("\n  hint: " + hints[0] if hints else "")
 
 
-def progress_line(query: StreamingQuery, progress: dict[str, Any] | None, source_reads: int = 1) -> str:
-    """One line about ``query``: a batch's ``progress``, or (None) that it is starting."""
+def progress_line(name: str, progress: Mapping[str, Any] | None, source_reads: int = 1) -> str:
+    """One line about query ``name``: a batch's ``progress``, or (None) that it is starting."""
     if not progress:
-        return f"{query.name:<12} starting"
+        return f"{name:<12} starting"
     from iotmon.ops import kafka_lag  # ops builds on this module
 
     lag = kafka_lag(progress.get("sources", [])) or 0
     return (
-        f"{query.name:<12} batch {progress['batchId']:>5}  rows {progress['numInputRows'] // source_reads:>9,}  "
+        f"{name:<12} batch {progress['batchId']:>5}  rows {progress['numInputRows'] // source_reads:>9,}  "
         f"in {progress.get('inputRowsPerSecond', 0) / source_reads:>10,.0f}/s  "
         f"done {progress.get('processedRowsPerSecond', 0) / source_reads:>10,.0f}/s  "
         f"batch {progress['durationMs'].get('triggerExecution', 0) / 1000:>6.2f}s  kafka lag {lag:,}"
@@ -157,44 +283,41 @@ def progress_line(query: StreamingQuery, progress: dict[str, Any] | None, source
 
 class ProgressReport:
     """What the console hears about running queries: each query once as it starts, then its newest batch that
-    read rows, once. Spark's last progress stays the same until the next batch, and is often a batch without
-    data (an idle query's, every 10 s, or the one a stateful query runs after a batch to move its watermark):
-    repeating those would bury the news, and showing only the last progress would hide the batch before it."""
+    read rows, once. A query's last report stays the same until its next batch, and is often of a batch without
+    data (the one a stateful query runs after a batch to move its watermark): repeating those would bury the
+    news, and showing only the last report would hide the batch before it."""
 
-    def __init__(self) -> None:
+    def __init__(self, events: QueryEvents) -> None:
+        self._events = events
         self._checked: dict[str, tuple[str, int | None]] = {}
-        """Per query, the run and batch id of the last progress looked at."""
+        """Per query, the run and batch id of the last report looked at."""
         self._shown: dict[str, tuple[str, int]] = {}
         """Per query, the run and batch id of the last batch reported."""
 
-    def lines(self, queries: dict[str, StreamingQuery], source_reads: dict[str, int]) -> list[str]:
+    def lines(self, runs: Mapping[str, str], source_reads: Mapping[str, int]) -> list[str]:
+        """The lines due about the queries ``runs`` names, each by its run id."""
         lines = []
-        for name, query in queries.items():
-            run, last = str(query.runId), query.lastProgress
+        for name, run in runs.items():
+            last = self._events.last(run)
             checked = (run, last["batchId"] if last else None)
             if self._checked.get(name) == checked:
                 continue
             self._checked[name] = checked
             if not last:
-                lines.append(progress_line(query, None))
+                lines.append(progress_line(name, None))
                 continue
             shown_run, shown_batch = self._shown.get(name, (None, -1))
             after = shown_batch if shown_run == run else -1
-            newest = last if last["numInputRows"] else self._newest_with_rows(query, after)
+            newest = self._events.newest_with_rows(run)
             if newest is None or newest["batchId"] <= after:
                 continue
             self._shown[name] = (run, newest["batchId"])
-            lines.append(progress_line(query, newest, source_reads.get(name, 1)))
+            lines.append(progress_line(name, newest, source_reads.get(name, 1)))
         return lines
 
-    def show(self, queries: dict[str, StreamingQuery], source_reads: dict[str, int], out: TextIO) -> None:
-        for line in self.lines(queries, source_reads):
+    def show(self, runs: Mapping[str, str], source_reads: Mapping[str, int], out: TextIO) -> None:
+        for line in self.lines(runs, source_reads):
             print(line, file=out, flush=True)
-
-    @staticmethod
-    def _newest_with_rows(query: StreamingQuery, after: int) -> dict[str, Any] | None:
-        with_rows = [p for p in query.recentProgress if p["numInputRows"] and p["batchId"] > after]
-        return with_rows[-1] if with_rows else None
 
 
 def await_batches(
@@ -241,7 +364,7 @@ def run_until_idle(
         try:
             for name in waits_for(position, spec.name):
                 finished[name].wait()
-            if not failures and (read := _drain_one(spark, settings, spec, out, report_every)) is not None:
+            if not failures and (read := _drain_one(spark, settings, spec, events, out, report_every)) is not None:
                 rows[spec.name] = read
         except BaseException as exc:  # raised by the caller's thread, below
             failures.append(exc)
@@ -252,17 +375,18 @@ def run_until_idle(
         threading.Thread(target=drain, args=(position, spec), name=f"iotmon-drain-{spec.name}", daemon=True)
         for position, spec in enumerate(specs)
     ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with query_events(spark) as events:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     if failures:
         raise failures[0]
     return {name: rows[name] for name in names if name in rows}
 
 
 def _drain_one(
-    spark: SparkSession, settings: Settings, spec: QuerySpec, out: TextIO, report_every: float
+    spark: SparkSession, settings: Settings, spec: QuerySpec, events: QueryEvents, out: TextIO, report_every: float
 ) -> int | None:
     """Run one query with the available-now trigger until it ends; the rows it read, None if it cannot run."""
     waiting = spec.waiting_for(spark, settings)
@@ -271,7 +395,7 @@ def _drain_one(
         return None
     started = time.monotonic()
     query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
-    show = partial(ProgressReport().show, {spec.name: query}, {spec.name: spec.source_reads}, out)
+    show = partial(ProgressReport(events).show, {spec.name: str(query.runId)}, {spec.name: spec.source_reads}, out)
     try:
         batches = await_batches(query, report_every, show)
     except StreamingQueryException as exc:
@@ -313,6 +437,9 @@ def run_continuously(
     warms up, and the first batch of the queries everything else reads took half as long alone. A lead query
     waiting to be ready does not hold the others back, unless ``hold()`` gives a reason to wait for it: then
     the others start once ``hold()`` gives none and the lead queries it made ready have finished a trigger.
+
+    What the loop knows of the queries (a batch finished, written, the query ended) the listener bus tells it
+    (``QueryEvents``); each query is asked itself only once a report, in case the bus dropped an event.
     """
     every: Trigger = {"processingTime": settings.trigger_interval}
     budget = trigger_of or (lambda spec: every)
@@ -332,13 +459,18 @@ def run_continuously(
     following = {spec.name: spec for spec in specs if lead and spec.name not in lead}
     """Queries that start once every lead query has finished a trigger."""
 
-    report = ProgressReport()
+    events = QueryEvents()
+    """What the queries' runs have done, as the listener bus tells it: the loop below polls this, not the JVM."""
+    runs: dict[str, str] = {}
+    """Each running query's run id."""
+    report = ProgressReport(events)
 
     def launch(spec: QuerySpec, on: Trigger) -> None:
         """Start ``spec`` and say so now: the periodic report comes up to ``report_every`` later, and a start
         announced then reads as a start that took that long."""
         queries[spec.name] = start_query(spec, spark, settings, on, out)
-        report.show({spec.name: queries[spec.name]}, reads, out)
+        runs[spec.name] = str(queries[spec.name].runId)
+        report.show({spec.name: runs[spec.name]}, reads, out)
 
     def start_when_ready(spec: QuerySpec, ended: str | None = None) -> None:
         reason = spec.waiting_for(spark, settings)
@@ -352,7 +484,7 @@ def run_continuously(
 
     def leads_done() -> bool:
         """Each lead query has finished a trigger in this run (or waits to be ready, so nothing follows it)."""
-        return all(name in waiting or (name in queries and queries[name].lastProgress) for name in lead)
+        return all(name in waiting or (name in runs and events.last(runs[name])) for name in lead)
 
     held: str | None = None
     """The reason ``hold`` last gave (printed once)."""
@@ -379,15 +511,8 @@ def run_continuously(
             start_when_ready(spec)
         following.clear()
 
-    for spec in specs:
-        if spec.name not in following:
-            start_when_ready(spec)
     failures: Counter[str] = Counter()
-    wrote: set[str] = set()
-    """Queries that have written a batch since they last started: their next failure is not one in a row.
-    Seen while they run (a batch's report stays the last one for Spark's ``noDataProgressEventInterval``, 10 s,
-    longer than this loop's polls), because Spark keeps only a query's last 99 reports, which an idle query
-    fills with reports of triggers that found no data."""
+    """Failures in a row per query: a failure after a run that wrote a batch is the first again."""
     next_report = time.monotonic() + report_every
     slower: set[str] = set()
     """Draining queries still on a slower trigger than the default: stopped between two batches..."""
@@ -421,7 +546,7 @@ def run_continuously(
     """Each query's last batch when the drain last asked."""
 
     def last_batches() -> dict[str, int]:
-        return {name: progress["batchId"] for name, query in queries.items() if (progress := query.lastProgress)}
+        return {name: progress["batchId"] for name in queries if (progress := events.last(runs[name]))}
 
     def drained() -> bool:
         """Whether every query has read all its sources hold. The same answer tells which parked queries may
@@ -451,8 +576,13 @@ def run_continuously(
             return False
         return not behind and not parked
 
+    spark.streams.addListener(events)
     try:
+        for spec in specs:
+            if spec.name not in following:
+                start_when_ready(spec)
         while not pause(0.5) and not drained():
+            confirming = time.monotonic() >= next_report
             if following and may_follow():
                 started = sorted(name for name in lead if name in queries)
                 its = "its" if len(started) == 1 else "their"
@@ -466,25 +596,22 @@ def run_continuously(
                     continue
                 if spec.name in parked:
                     continue
-                query = queries[spec.name]
-                if query.isActive:
-                    if spec.name not in wrote and wrote_batch(query.lastProgress):
-                        wrote.add(spec.name)
+                query, run = queries[spec.name], runs[spec.name]
+                # The bus drops events when its queue overflows (Spark logs that): so each query is also asked
+                # itself, once a report.
+                if not (events.ended(run) or (confirming and not query.isActive)):
                     if spec.name in slower and not query.status["isTriggerActive"]:
                         slower.discard(spec.name)
                         query.stop()
-                        wrote.discard(spec.name)
                         parked.add(spec.name)
                     continue
                 error = query.exception()
                 reason = settings.redact(explain(error)) if error is not None else "stopped"
-                after_a_batch = spec.name in wrote or any(wrote_batch(p) for p in query.recentProgress)
-                wrote.discard(spec.name)
                 if spec.waiting_for(spark, settings) is not None:
-                    del queries[spec.name]
+                    del queries[spec.name], runs[spec.name]
                     start_when_ready(spec, ended=f"query ended ({reason})")
                     continue
-                if after_a_batch:
+                if events.wrote(run):
                     failures[spec.name] = 0
                 failures[spec.name] += 1
                 if failures[spec.name] > settings.query_restarts:
@@ -498,11 +625,12 @@ def run_continuously(
                     break
                 slower.discard(spec.name)  # restarted on the trigger of the moment
                 launch(spec, trigger(spec))
-            if time.monotonic() >= next_report:
-                report.show(queries, reads, out)
+            if confirming:
+                report.show(runs, reads, out)
                 next_report = time.monotonic() + report_every
     finally:
         for query in queries.values():
             if query.isActive:
                 query.stop()
+        spark.streams.removeListener(events)
         print("stopped all queries", file=out, flush=True)

@@ -18,7 +18,8 @@ from pyspark.sql.streaming import StreamingQueryListener
 from iotmon.cli import main
 from iotmon.config import Settings
 from iotmon.kafka import ensure_topic, make_producer, newest_event_time, spark_kafka_options
-from iotmon.ops import JsonEventListener, install_progress_recorder, read_run_file, run_file_path
+from iotmon.ops import install_progress_recorder, read_run_file, run_file_path
+from iotmon.queries import JsonEventListener
 from iotmon.schema import QUERY_PROGRESS
 from iotmon.status import table_status
 from tests.support import wait_for

@@ -1,87 +1,92 @@
-"""What the supervisor tells the user: a failed query's error summarised, and progress as news only."""
+"""What the supervisor tells the user: a failed query's error summarised, and progress as news only; what it
+knows of its queries' runs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-from iotmon.queries import ProgressReport, explain
+from iotmon.queries import ProgressReport, QueryEvents, explain
 
 
-@dataclass
-class _Query:
-    """The members of a ``StreamingQuery`` the report reads; ``progress`` holds its batches, oldest first."""
-
-    name: str
-    runId: str
-    progress: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def lastProgress(self) -> dict[str, Any] | None:
-        return self.progress[-1] if self.progress else None
-
-    @property
-    def recentProgress(self) -> list[dict[str, Any]]:
-        return self.progress
-
-
-def _progress(batch: int, rows: int) -> dict[str, Any]:
+def _progress(batch: int, rows: int, run: str = "run-1", wrote: bool = True) -> dict[str, Any]:
+    durations = {"triggerExecution": 1500, **({"addBatch": 1200} if wrote else {})}
     return {
+        "runId": run,
         "batchId": batch,
         "numInputRows": rows,
         "inputRowsPerSecond": 0.0,
         "processedRowsPerSecond": 0.0,
-        "durationMs": {"triggerExecution": 1500},
+        "durationMs": durations,
         "sources": [],
     }
 
 
 def test_a_query_is_reported_once_as_it_starts_then_once_per_batch_that_read_rows() -> None:
-    report = ProgressReport()
-    query = _Query("ingest", "run-1")
-    queries = {"ingest": query}
+    events = QueryEvents()
+    report = ProgressReport(events)
+    runs = {"ingest": "run-1"}
 
-    assert report.lines(queries, {}) == ["ingest       starting"]
-    assert report.lines(queries, {}) == []
+    assert report.lines(runs, {}) == ["ingest       starting"]
+    assert report.lines(runs, {}) == []
 
-    query.progress.append(_progress(0, 1_000))
-    (line,) = report.lines(queries, {})
+    events.progressed(_progress(0, 1_000))
+    (line,) = report.lines(runs, {})
     assert line.startswith("ingest       batch     0  rows     1,000")
-    assert report.lines(queries, {}) == [], "the same batch again"
+    assert report.lines(runs, {}) == [], "the same batch again"
 
-    query.progress.append(_progress(1, 0))
-    assert report.lines(queries, {}) == [], "a batch without data"
+    events.progressed(_progress(1, 0))
+    assert report.lines(runs, {}) == [], "a batch without data"
 
-    query.progress.append(_progress(2, 500))
-    (line,) = report.lines(queries, {})
+    events.progressed(_progress(2, 500))
+    (line,) = report.lines(runs, {})
     assert "batch     2  rows       500" in line
 
 
 def test_a_batch_followed_by_one_without_data_is_still_reported() -> None:
-    report = ProgressReport()
-    query = _Query("alerts", "run-1", [_progress(0, 300)])
-    queries = {"alerts": query}
-    assert len(report.lines(queries, {})) == 1
+    events = QueryEvents()
+    report = ProgressReport(events)
+    runs = {"alerts": "run-1"}
+    events.progressed(_progress(0, 300))
+    assert len(report.lines(runs, {})) == 1
 
     # Between two reports: a batch with rows, then the no-data batch a stateful query runs after it.
-    query.progress += [_progress(1, 200), _progress(2, 0)]
-    (line,) = report.lines(queries, {})
+    events.progressed(_progress(1, 200))
+    events.progressed(_progress(2, 0))
+    (line,) = report.lines(runs, {})
     assert "batch     1  rows       200" in line
-    query.progress.append(_progress(3, 0))
-    assert report.lines(queries, {}) == [], "batch 1 was shown already"
+    events.progressed(_progress(3, 0))
+    assert report.lines(runs, {}) == [], "batch 1 was shown already"
 
 
 def test_a_restarted_query_is_reported_again_and_rows_are_counted_once_per_source_read() -> None:
-    report = ProgressReport()
-    query = _Query("device_windows", "run-1", [_progress(3, 800)])
-    queries = {"device_windows": query}
-    (line,) = report.lines(queries, {"device_windows": 2})
+    events = QueryEvents()
+    report = ProgressReport(events)
+    events.progressed(_progress(3, 800))
+    (line,) = report.lines({"device_windows": "run-1"}, {"device_windows": 2})
     assert "rows       400" in line
 
-    query.runId, query.progress = "run-2", []
-    assert report.lines(queries, {"device_windows": 2}) == ["device_windows starting"]
-    query.progress.append(_progress(3, 800))  # the same batch id, replayed by the new run
-    assert len(report.lines(queries, {"device_windows": 2})) == 1
+    restarted = {"device_windows": "run-2"}
+    assert report.lines(restarted, {"device_windows": 2}) == ["device_windows starting"]
+    events.progressed(_progress(3, 800, run="run-2"))  # the same batch id, replayed by the new run
+    assert len(report.lines(restarted, {"device_windows": 2})) == 1
+
+
+def test_query_events_keep_each_run_apart() -> None:
+    events = QueryEvents()
+    assert events.last("run-1") is None and not events.wrote("run-1") and not events.ended("run-1")
+
+    events.progressed(_progress(0, 0, wrote=False))  # a trigger that found nothing to write
+    assert events.last("run-1")["batchId"] == 0
+    assert events.newest_with_rows("run-1") is None and not events.wrote("run-1")
+
+    events.progressed(_progress(1, 40))
+    events.progressed(_progress(2, 0))  # the batch that moves a watermark on
+    assert events.last("run-1")["batchId"] == 2 and events.newest_with_rows("run-1")["batchId"] == 1
+    assert events.wrote("run-1")
+
+    events.terminated("run-1")
+    assert events.ended("run-1")
+    assert not events.ended("run-2") and not events.wrote("run-2"), "a restart is a run of its own"
 
 
 def test_a_python_error_inside_a_batch_is_summarised_by_its_cause() -> None:
