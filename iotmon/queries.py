@@ -180,7 +180,8 @@ class QueryEvents(JsonEventListener):
         self.progressed(json.loads(event.progress.json))
 
     def onQueryIdle(self, event: QueryIdleEvent) -> None:
-        """A trigger that found nothing to do leaves the last report as it was, as it does ``lastProgress``."""
+        """Triggers that found nothing to do: Spark posts this every ``noDataProgressEventInterval`` instead of a
+        report (and nothing for a run's first idle trigger), so ``last`` stays the last batch's report."""
 
     def onQueryTerminated(self, event: QueryTerminatedEvent) -> None:
         self.terminated(str(event.runId))
@@ -217,6 +218,7 @@ class QueryEvents(JsonEventListener):
             return run in self._wrote
 
     def ended(self, run: str) -> bool:
+        """Whether the run has ended, failed or stopped."""
         with self._lock:
             return run in self._ended
 
@@ -459,11 +461,8 @@ def run_continuously(
     following = {spec.name: spec for spec in specs if lead and spec.name not in lead}
     """Queries that start once every lead query has finished a trigger."""
 
-    events = QueryEvents()
-    """What the queries' runs have done, as the listener bus tells it: the loop below polls this, not the JVM."""
     runs: dict[str, str] = {}
-    """Each running query's run id."""
-    report = ProgressReport(events)
+    """Each running query's run id: what the loop looks up in ``events``, the listener bus's record (below)."""
 
     def launch(spec: QuerySpec, on: Trigger) -> None:
         """Start ``spec`` and say so now: the periodic report comes up to ``report_every`` later, and a start
@@ -483,8 +482,10 @@ def run_continuously(
         waiting[spec.name] = time.monotonic() + READY_POLL_SECONDS
 
     def leads_done() -> bool:
-        """Each lead query has finished a trigger in this run (or waits to be ready, so nothing follows it)."""
-        return all(name in waiting or (name in runs and events.last(runs[name])) for name in lead)
+        """Each lead query has finished a trigger in this run (or waits to be ready, so nothing follows it).
+        Asked of the query itself: a trigger that found no data gives the bus nothing to tell at first (Spark
+        posts no event for a run's first idle trigger), and this is asked only until the others have started."""
+        return all(name in waiting or (name in queries and queries[name].lastProgress) for name in lead)
 
     held: str | None = None
     """The reason ``hold`` last gave (printed once)."""
@@ -576,61 +577,61 @@ def run_continuously(
             return False
         return not behind and not parked
 
-    spark.streams.addListener(events)
-    try:
-        for spec in specs:
-            if spec.name not in following:
-                start_when_ready(spec)
-        while not pause(0.5) and not drained():
-            confirming = time.monotonic() >= next_report
-            if following and may_follow():
-                started = sorted(name for name in lead if name in queries)
-                its = "its" if len(started) == 1 else "their"
-                start_following(f"{' and '.join(started)} finished {its} first trigger")
+    with query_events(spark) as events:  # what the loop knows of the queries, not asked of the JVM
+        report = ProgressReport(events)
+        try:
             for spec in specs:
-                if spec.name in following:
-                    continue
-                if spec.name in waiting:
-                    if time.monotonic() >= waiting[spec.name]:
-                        start_when_ready(spec)
-                    continue
-                if spec.name in parked:
-                    continue
-                query, run = queries[spec.name], runs[spec.name]
-                # The bus drops events when its queue overflows (Spark logs that): so each query is also asked
-                # itself, once a report.
-                if not (events.ended(run) or (confirming and not query.isActive)):
-                    if spec.name in slower and not query.status["isTriggerActive"]:
-                        slower.discard(spec.name)
-                        query.stop()
-                        parked.add(spec.name)
-                    continue
-                error = query.exception()
-                reason = settings.redact(explain(error)) if error is not None else "stopped"
-                if spec.waiting_for(spark, settings) is not None:
-                    del queries[spec.name], runs[spec.name]
-                    start_when_ready(spec, ended=f"query ended ({reason})")
-                    continue
-                if events.wrote(run):
-                    failures[spec.name] = 0
-                failures[spec.name] += 1
-                if failures[spec.name] > settings.query_restarts:
-                    raise QueryFailed(
-                        f"query {spec.name} failed {failures[spec.name]} times in a row; last error: {reason}\n"
-                        "Fix the cause and run `iotmon stream` again: it resumes from its checkpoint."
-                    )
-                backoff = min(30.0, 2.0 ** failures[spec.name])
-                print(f"{spec.name}: query ended ({reason}); restarting in {backoff:.0f}s", file=out, flush=True)
-                if pause(backoff):
-                    break
-                slower.discard(spec.name)  # restarted on the trigger of the moment
-                launch(spec, trigger(spec))
-            if confirming:
-                report.show(runs, reads, out)
-                next_report = time.monotonic() + report_every
-    finally:
-        for query in queries.values():
-            if query.isActive:
-                query.stop()
-        spark.streams.removeListener(events)
-        print("stopped all queries", file=out, flush=True)
+                if spec.name not in following:
+                    start_when_ready(spec)
+            while not pause(0.5) and not drained():
+                confirming = time.monotonic() >= next_report
+                if following and may_follow():
+                    started = sorted(name for name in lead if name in queries)
+                    its = "its" if len(started) == 1 else "their"
+                    start_following(f"{' and '.join(started)} finished {its} first trigger")
+                for spec in specs:
+                    if spec.name in following:
+                        continue
+                    if spec.name in waiting:
+                        if time.monotonic() >= waiting[spec.name]:
+                            start_when_ready(spec)
+                        continue
+                    if spec.name in parked:
+                        continue
+                    query, run = queries[spec.name], runs[spec.name]
+                    # The bus drops events when its queue overflows (Spark logs that): so each query is also asked
+                    # itself, once a report.
+                    if not (events.ended(run) or (confirming and not query.isActive)):
+                        if spec.name in slower and not query.status["isTriggerActive"]:
+                            slower.discard(spec.name)
+                            query.stop()
+                            parked.add(spec.name)
+                        continue
+                    error = query.exception()
+                    reason = settings.redact(explain(error)) if error is not None else "stopped"
+                    if spec.waiting_for(spark, settings) is not None:
+                        del queries[spec.name], runs[spec.name]
+                        start_when_ready(spec, ended=f"query ended ({reason})")
+                        continue
+                    if events.wrote(run):
+                        failures[spec.name] = 0
+                    failures[spec.name] += 1
+                    if failures[spec.name] > settings.query_restarts:
+                        raise QueryFailed(
+                            f"query {spec.name} failed {failures[spec.name]} times in a row; last error: {reason}\n"
+                            "Fix the cause and run `iotmon stream` again: it resumes from its checkpoint."
+                        )
+                    backoff = min(30.0, 2.0 ** failures[spec.name])
+                    print(f"{spec.name}: query ended ({reason}); restarting in {backoff:.0f}s", file=out, flush=True)
+                    if pause(backoff):
+                        break
+                    slower.discard(spec.name)  # restarted on the trigger of the moment
+                    launch(spec, trigger(spec))
+                if confirming:
+                    report.show(runs, reads, out)
+                    next_report = time.monotonic() + report_every
+        finally:
+            for query in queries.values():
+                if query.isActive:
+                    query.stop()
+            print("stopped all queries", file=out, flush=True)
