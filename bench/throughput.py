@@ -34,6 +34,7 @@ from ingest.landing import kafka_records
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
 from iotmon.queries import AVAILABLE_NOW, await_batches, run_continuously, run_until_idle
+from pipeline.clock import EventClock
 from pipeline.stream import drain_until_idle
 from pipeline.topology import (
     KAFKA,
@@ -204,7 +205,8 @@ def drain_concurrently(
     log: Log,
     until: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Every query at once (as ``iotmon stream``) until all have read what their sources hold, or ``timeout``.
+    """Every query at once (as ``iotmon stream``, its event clock beside them) until all have read what their
+    sources hold, or ``timeout``.
 
     With ``until`` (a publisher still running), catching up only counts once it is set.
     """
@@ -231,6 +233,7 @@ def drain_concurrently(
 
     runner = threading.Thread(target=run, name="iotmon-bench-stream", daemon=True)
     started = time.monotonic()
+    EventClock(spark, settings, stop).start()
     runner.start()
     lagging: list[str] = list(SOURCE_OF)
     caught_up_at = None
