@@ -17,6 +17,7 @@ Ticks are data in a Delta table, so a replayed batch sees the same ones.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -25,15 +26,19 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 
+from pyspark.sql.streaming.listener import QueryIdleEvent, QueryProgressEvent, QueryStartedEvent, QueryTerminatedEvent
+
 from iotmon.config import Settings, interval_seconds
 from iotmon.ops import source_offsets
-from iotmon.queries import explain
+from iotmon.queries import JsonEventListener, explain
 from iotmon.schema import ANOMALIES, EVENT_TIME, INGEST, SILVER, STREAM_CLOCK
 from streaming.sources import FOLLOWS
 
 TICKED: dict[str, tuple[str, str | None]] = {SILVER: (INGEST, None), ANOMALIES: (ANOMALIES, SILVER)}
 """Each table ticks follow, with the query writing it and the table that query reads (None: Kafka, which a
 tick already requires the ingest query to have read whole)."""
+FOLLOWED = frozenset(query for query, _ in TICKED.values())
+"""The queries whose progress the clock reads."""
 
 
 @dataclass(frozen=True)
@@ -41,13 +46,14 @@ class Observed:
     """What the clock reads of the pipeline in one round."""
 
     kafka_unread: int | None
-    """Records Kafka holds that the ingest query has not read; None when Kafka cannot be asked."""
+    """Records Kafka holds that the ingest query has not read; None when Kafka cannot be asked, or was not (the
+    source not idle long enough for a tick)."""
     newest_event: datetime | None
     """The newest event time silver has seen."""
     idle_s: float
     """Wall seconds since the ingest query last read a record."""
     complete: Mapping[str, bool]
-    """Per ticked table: whether it holds everything its query's source holds."""
+    """Per ticked table: whether it holds everything its query's source holds (empty when not asked)."""
 
 
 def ticks_due(observed: Observed, idle_after_s: float) -> dict[str, datetime]:
@@ -78,46 +84,52 @@ def kafka_end(progress: Mapping[str, Any] | None) -> dict[int, int]:
 
 
 class EventClock(threading.Thread):
-    """Ticks event time forward while the source is idle (see the module docstring)."""
+    """Ticks event time forward while the source is idle (see the module docstring).
+
+    What the queries have done it learns from Spark's listener bus, which hands it each progress report once
+    (``progressed``); Kafka and the tables' versions it asks only once no record has arrived for
+    ``IOTMON_IDLE_TICK_AFTER``, the only time a tick can be due. A clock that asked the queries, Kafka and the
+    Delta log every trigger interval paid a py4j round trip per query, a Kafka client and a read of silver's log
+    every 5 s of a live fleet, to learn that readings were still arriving (docs/cost-model.md)."""
 
     def __init__(self, spark: Any, settings: Settings, stop: threading.Event, out: TextIO = sys.stderr) -> None:
         super().__init__(name="iotmon-event-clock", daemon=True)
         self.spark, self.settings, self.stop, self.out = spark, settings, stop, out
         self.idle_after = interval_seconds(settings.idle_tick_after)
         self.every = interval_seconds(settings.trigger_interval)
+        self._lock = threading.Lock()
         self.last_record_at = time.monotonic()
-        self.ingest_batch = -1
         self.newest_event: datetime | None = None
         """The newest event time the ingest query has reported: a batch without readings (Spark runs one to
         move the watermark on) reports none."""
+        self.last_report: dict[str, Mapping[str, Any]] = {}
+        """The last progress report of each query the ticks follow (``TICKED``)."""
         self.ticks = 0
+        self.listener = _ProgressOf(self)
 
-    def _query(self, name: str) -> Any:
-        return next((q for q in self.spark.streams.active if q.name == name), None)
-
-    def _progress(self, name: str) -> Mapping[str, Any] | None:
-        query = self._query(name)
-        return query.lastProgress if query is not None else None
-
-    def observe(self, kafka_high: Callable[[], Mapping[int, int]], table_version: Callable[[str], int]) -> Observed:
-        query = self._query(INGEST)
-        ingest = query.lastProgress if query is not None else None
-        # Every report since the last round, not only the last one: a batch of readings followed at once by a
-        # batch without any (Spark runs one to move the watermark on) must still set the newest event time.
-        reports: list[Mapping[str, Any]] = []
-        if ingest is not None and ingest["batchId"] > self.ingest_batch + 1:
-            reports = query.recentProgress  # up to a hundred, parsed from the JVM: only when one was missed
-        elif ingest is not None:
-            reports = [ingest]
-        for report in reports:
-            if report["batchId"] <= self.ingest_batch:
-                continue
-            self.ingest_batch = report["batchId"]
+    def progressed(self, report: Mapping[str, Any]) -> None:
+        """A query's next progress report (the listener bus hands over every one, in order)."""
+        name = report.get("name")
+        if name not in FOLLOWED:
+            return
+        with self._lock:
+            self.last_report[name] = report
+            if name != INGEST:
+                return
             if report.get("numInputRows"):
                 self.last_record_at = time.monotonic()
-            if newest := report.get("eventTime", {}).get("max"):
+            if newest := (report.get("eventTime") or {}).get("max"):
                 reported = datetime.fromisoformat(newest.replace("Z", "+00:00"))
                 self.newest_event = max(self.newest_event or reported, reported)
+
+    def observe(self, kafka_high: Callable[[], Mapping[int, int]], table_version: Callable[[str], int]) -> Observed:
+        """What the reports say, with Kafka and the tables asked only if the source has been idle long enough
+        for a tick: until then whether Kafka holds unread records is not asked (None), and no tick is due."""
+        with self._lock:
+            newest, idle_s, reports = self.newest_event, time.monotonic() - self.last_record_at, dict(self.last_report)
+        if newest is None or idle_s < self.idle_after:
+            return Observed(kafka_unread=None, newest_event=newest, idle_s=idle_s, complete={})
+        ingest = reports.get(INGEST)
         try:
             read, high = kafka_end(ingest), kafka_high()
             unread = sum(max(0, offset - read.get(partition, 0)) for partition, offset in high.items())
@@ -128,14 +140,9 @@ class EventClock(threading.Thread):
             if source is None:
                 complete[table] = ingest is not None
                 continue
-            end = delta_end(self._progress(query))
+            end = delta_end(reports.get(query))
             complete[table] = end is not None and end > table_version(source)
-        return Observed(
-            kafka_unread=unread,
-            newest_event=self.newest_event,
-            idle_s=time.monotonic() - self.last_record_at,
-            complete=complete,
-        )
+        return Observed(kafka_unread=unread, newest_event=newest, idle_s=idle_s, complete=complete)
 
     def tick_if_idle(self) -> None:
         from iotmon.kafka import partition_offsets
@@ -156,9 +163,36 @@ class EventClock(threading.Thread):
             append_rows(rows, self.settings.table_path(STREAM_CLOCK))
             self.ticks += len(due)
 
+    def start(self) -> None:
+        """Listen before the queries start, then tick on a thread of its own until ``stop``."""
+        self.spark.streams.addListener(self.listener)
+        super().start()
+
     def run(self) -> None:
-        while not self.stop.wait(self.every):
-            try:
-                self.tick_if_idle()
-            except Exception as exc:  # a missed tick only delays finalisation; the next one catches up
-                print(f"event clock: tick failed ({explain(exc)}); retrying", file=self.out, flush=True)
+        try:
+            while not self.stop.wait(self.every):
+                try:
+                    self.tick_if_idle()
+                except Exception as exc:  # a missed tick only delays finalisation; the next one catches up
+                    print(f"event clock: tick failed ({explain(exc)}); retrying", file=self.out, flush=True)
+        finally:
+            self.spark.streams.removeListener(self.listener)
+
+
+class _ProgressOf(JsonEventListener):
+    """Hands an event clock each progress report of the session's queries."""
+
+    def __init__(self, clock: EventClock) -> None:
+        self.clock = clock
+
+    def onQueryStarted(self, event: QueryStartedEvent) -> None:
+        """A start says nothing about what was read."""
+
+    def onQueryProgress(self, event: QueryProgressEvent) -> None:
+        self.clock.progressed(json.loads(event.progress.json))
+
+    def onQueryIdle(self, event: QueryIdleEvent) -> None:
+        """An idle trigger read nothing: the last report still holds."""
+
+    def onQueryTerminated(self, event: QueryTerminatedEvent) -> None:
+        """A run's end leaves what it wrote, which its last report says."""

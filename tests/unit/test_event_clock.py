@@ -49,21 +49,27 @@ def test_offsets_read_from_progress_reports() -> None:
     assert kafka_end(kafka) == {0: 10, 1: 4} and kafka_end(None) == {} and delta_end(None) is None
 
 
-def _query(name: str, *reports: dict) -> SimpleNamespace:
-    """A query whose recent reports are ``reports``, the last one last."""
-    return SimpleNamespace(name=name, lastProgress=reports[-1], recentProgress=list(reports))
+def _clock() -> EventClock:
+    """A clock fed by hand: its session is never asked (``observe`` does not use it)."""
+    return EventClock(SimpleNamespace(), Settings.from_env({}), threading.Event())
 
 
-def test_the_clock_reads_idleness_from_the_ingest_query_and_completeness_from_table_versions() -> None:
+def _not_asked(*_: object) -> dict[int, int]:
+    raise AssertionError("asked while readings were arriving")
+
+
+def test_the_clock_reads_idleness_from_the_ingest_reports_and_completeness_from_table_versions() -> None:
     ingest = {
+        "name": INGEST,
         "batchId": 3,
         "numInputRows": 0,
         "eventTime": {"max": "2026-11-20T08:00:00.000Z"},
         "sources": [{"endOffset": {"t": {"0": 10, "1": 4}}}],
     }
-    scorer = {"batchId": 2, "sources": [{"endOffset": {"reservoirVersion": 8, "index": -1}}]}
-    spark = SimpleNamespace(streams=SimpleNamespace(active=[_query(INGEST, ingest), _query(ANOMALIES, scorer)]))
-    clock = EventClock(spark, Settings.from_env({}), threading.Event())
+    scorer = {"name": ANOMALIES, "batchId": 2, "sources": [{"endOffset": {"reservoirVersion": 8, "index": -1}}]}
+    clock = _clock()
+    for report in (ingest, scorer, {"name": "device_status", "batchId": 9, "numInputRows": 50}):
+        clock.progressed(report)
     clock.last_record_at = time.monotonic() - 40
     versions = {SILVER: 9}
     observed = clock.observe(lambda: {0: 10, 1: 4}, versions.__getitem__)
@@ -75,25 +81,27 @@ def test_the_clock_reads_idleness_from_the_ingest_query_and_completeness_from_ta
         raise ConnectionError("broker down")
 
     assert clock.observe(broker_down, versions.__getitem__).kafka_unread is None
-    # A batch that read records resets the idle time.
-    ingest.update(batchId=4, numInputRows=5)
-    assert clock.observe(lambda: {0: 10, 1: 4}, versions.__getitem__).idle_s < 1.0
+    # A batch that read records resets the idle time; while records arrive, neither Kafka nor a table's log is
+    # asked (a round every trigger interval of a live fleet), and no tick is due.
+    clock.progressed({**ingest, "batchId": 4, "numInputRows": 5})
+    observed = clock.observe(_not_asked, _not_asked)
+    assert observed.idle_s < 1.0 and observed.kafka_unread is None and ticks_due(observed, 30.0) == {}
     # A batch without readings (Spark runs one to move the watermark on) reports no newest event time: the
     # clock keeps the one it saw.
-    ingest.update(batchId=5, numInputRows=0, eventTime={"watermark": "2026-11-20T07:59:55.000Z"})
-    assert clock.observe(lambda: {0: 10, 1: 4}, versions.__getitem__).newest_event == NEWEST
+    clock.progressed({**ingest, "batchId": 5, "numInputRows": 0, "eventTime": {"watermark": "2026-11-20T07:59:55Z"}})
+    assert clock.observe(_not_asked, _not_asked).newest_event == NEWEST
 
 
-def test_the_clock_sees_a_batch_of_readings_that_another_batch_followed_between_two_rounds() -> None:
+def test_a_tick_follows_a_batch_of_readings_that_a_batch_without_readings_followed() -> None:
     # The ingest query's only batch of readings, then at once one without readings (its watermark moved): the
-    # clock's round sees the second as the last report, and must still learn the newest event time from the
-    # first, or it would never tick and the fleet's last windows would wait for readings forever.
+    # last report has no event time, and the clock must still tick after the first's, or it would never tick
+    # and the fleet's last windows would wait for readings forever.
     readings = {"batchId": 0, "numInputRows": 3062, "eventTime": {"max": "2026-11-20T08:00:00.000Z"}}
     watermark_only = {"batchId": 1, "numInputRows": 0, "eventTime": {"watermark": "2026-11-20T07:59:55.000Z"}}
+    clock = _clock()
     for report in (readings, watermark_only):
-        report["sources"] = [{"endOffset": {"t": {"0": 3062}}}]
-    spark = SimpleNamespace(streams=SimpleNamespace(active=[_query(INGEST, readings, watermark_only)]))
-    clock = EventClock(spark, Settings.from_env({}), threading.Event())
+        clock.progressed({**report, "name": INGEST, "sources": [{"endOffset": {"t": {"0": 3062}}}]})
+    clock.last_record_at = time.monotonic() - 60
     observed = clock.observe(lambda: {0: 3062}, {SILVER: 1}.__getitem__)
     assert observed.newest_event == NEWEST and observed.kafka_unread == 0
     assert ticks_due(replace(observed, idle_s=60.0), 2.0)[SILVER] == NEWEST + dt.timedelta(seconds=60)
