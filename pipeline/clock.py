@@ -12,6 +12,10 @@ has arrived for ``IOTMON_IDLE_TICK_AFTER``. Its time is the newest event time se
 the last record arrived: event time advancing at the wall clock's pace, as a live fleet's does. A stalled or
 restarted upstream therefore delays windows, and never drops readings from them.
 
+A restarted stream resumes the clock where event time stood (the newest of silver's readings and of the ticks,
+``resumed_event_time``): otherwise, restarted while its fleet is silent, it would wait for a reading that may
+not come, and the fleet's last windows and offline devices with it.
+
 Ticks are data in a Delta table, so a replayed batch sees the same ones.
 """
 
@@ -31,7 +35,7 @@ from pyspark.sql.streaming.listener import QueryIdleEvent, QueryProgressEvent, Q
 from iotmon.config import Settings, interval_seconds
 from iotmon.ops import source_offsets
 from iotmon.queries import JsonEventListener, explain
-from iotmon.schema import ANOMALIES, EVENT_TIME, INGEST, SILVER, STREAM_CLOCK
+from iotmon.schema import ANOMALIES, EVENT_TIME, INGEST, SILVER, STREAM_CLOCK, as_utc
 from streaming.sources import FOLLOWS
 
 TICKED: dict[str, tuple[str, str | None]] = {SILVER: (INGEST, None), ANOMALIES: (ANOMALIES, SILVER)}
@@ -83,6 +87,21 @@ def kafka_end(progress: Mapping[str, Any] | None) -> dict[int, int]:
     return {}
 
 
+def resumed_event_time(settings: Settings) -> datetime | None:
+    """Where event time stood when the stream last stopped: the newest of silver's readings and of the ticks, by
+    the Delta logs' file statistics (no data read); None on a new lake."""
+    from deltalake import DeltaTable
+
+    from iotmon.status import newest
+
+    seen = []
+    for table in (SILVER, STREAM_CLOCK):
+        path = settings.table_path(table)
+        if DeltaTable.is_deltatable(path) and (latest := newest(DeltaTable(path), EVENT_TIME)) is not None:
+            seen.append(as_utc(latest))
+    return max(seen, default=None)
+
+
 class EventClock(threading.Thread):
     """Ticks event time forward while the source is idle (see the module docstring).
 
@@ -100,8 +119,8 @@ class EventClock(threading.Thread):
         self._lock = threading.Lock()
         self.last_record_at = time.monotonic()
         self.newest_event: datetime | None = None
-        """The newest event time the ingest query has reported: a batch without readings (Spark runs one to
-        move the watermark on) reports none."""
+        """The newest event time the ingest query has reported (a batch without readings, which Spark runs to
+        move the watermark on, reports none), or where it stood at the start (``start``)."""
         self.last_report: dict[str, Mapping[str, Any]] = {}
         """The last progress report of each query the ticks follow (``TICKED``)."""
         self.ticks = 0
@@ -129,6 +148,11 @@ class EventClock(threading.Thread):
             newest, idle_s, reports = self.newest_event, time.monotonic() - self.last_record_at, dict(self.last_report)
         if newest is None or idle_s < self.idle_after:
             return Observed(kafka_unread=None, newest_event=newest, idle_s=idle_s, complete={})
+        for name in FOLLOWED - reports.keys():
+            # No report since this clock started: a stream restarted on a source with nothing new runs no batch.
+            # The query itself still knows where it stands (its last progress, idle triggers included).
+            if (asked := self._asked(name)) is not None:
+                reports[name] = asked
         ingest = reports.get(INGEST)
         try:
             read, high = kafka_end(ingest), kafka_high()
@@ -143,6 +167,10 @@ class EventClock(threading.Thread):
             end = delta_end(reports.get(query))
             complete[table] = end is not None and end > table_version(source)
         return Observed(kafka_unread=unread, newest_event=newest, idle_s=idle_s, complete=complete)
+
+    def _asked(self, name: str) -> Mapping[str, Any] | None:
+        query = next((q for q in self.spark.streams.active if q.name == name), None)
+        return query.lastProgress if query is not None else None
 
     def tick_if_idle(self) -> None:
         from iotmon.kafka import partition_offsets
@@ -164,7 +192,9 @@ class EventClock(threading.Thread):
             self.ticks += len(due)
 
     def start(self) -> None:
-        """Listen before the queries start, then tick on a thread of its own until ``stop``."""
+        """Resume where event time stood and listen, before the queries start; then tick on a thread of its own
+        until ``stop``."""
+        self.newest_event = resumed_event_time(self.settings)  # not listening yet: no report has come
         self.spark.streams.addListener(self.listener)
         super().start()
 

@@ -213,10 +213,10 @@ def test_backfill_rebuilds_what_the_stream_produced_and_a_second_run_extends_it(
     assert check.watermark is not None and check.watermark > max(watermark_after_first, result.final_through)
 
 
-def test_a_silent_fleet_still_finalises_its_last_windows_and_goes_offline(isolated: Settings, spark: SparkSession):
-    """The event-time clock: once readings stop, ticks move the watermark, so nothing waits for more data."""
-    fast = dataclasses.replace(
-        isolated,
+def _scaled_down(settings: Settings) -> Settings:
+    """Windows, watermark, offline time and the clock's idle time in seconds, so a silent fleet's end shows soon."""
+    return dataclasses.replace(
+        settings,
         window="10 seconds",
         sliding_window="20 seconds",
         slide="10 seconds",
@@ -227,32 +227,44 @@ def test_a_silent_fleet_still_finalises_its_last_windows_and_goes_offline(isolat
         trigger_interval="1 second",
         final_trigger_interval="5 seconds",  # the final windows' budget, scaled down like the windows themselves
     )
-    _simulate(fast, fast.home / "truth.parquet", START, seed=51, duration=60, dropout_fraction=0.0)
+
+
+def _everything_final(settings: Settings, devices: int = 100) -> bool:
+    """The window holding silver's newest reading is final, and every device offline."""
+    silver_path, windows_path = settings.table_path(SILVER), settings.table_path(DEVICE_WINDOWS)
+    status_path = settings.table_path(DEVICE_STATUS)
+    if not all(deltalake.DeltaTable.is_deltatable(p) for p in (silver_path, windows_path, status_path)):
+        return False
+    newest = deltalake.DeltaTable(silver_path).to_pandas(columns=["event_time"]).event_time.max()
+    windows = deltalake.DeltaTable(windows_path).to_pandas(columns=["window_end"])
+    status = deltalake.DeltaTable(status_path).to_pandas(columns=["status"])
+    return (
+        not windows.empty
+        and windows.window_end.max() > newest
+        and len(status) == devices
+        and (status.status == "offline").all()
+    )
+
+
+def _stream_until_final(settings: Settings) -> None:
+    """``iotmon stream`` until the silent fleet's last windows are final and every device offline, then stopped."""
     stop = threading.Event()
-    stream = threading.Thread(target=run_stream, args=(fast, stop), daemon=True)
+    stream = threading.Thread(target=run_stream, args=(settings, stop), daemon=True)
     stream.start()
     try:
-        silver_path, windows_path = fast.table_path(SILVER), fast.table_path(DEVICE_WINDOWS)
-        status_path = fast.table_path(DEVICE_STATUS)
-
-        def everything_final() -> bool:
-            if not all(deltalake.DeltaTable.is_deltatable(p) for p in (silver_path, windows_path, status_path)):
-                return False
-            newest = deltalake.DeltaTable(silver_path).to_pandas(columns=["event_time"]).event_time.max()
-            windows = deltalake.DeltaTable(windows_path).to_pandas(columns=["window_end"])
-            status = deltalake.DeltaTable(status_path).to_pandas(columns=["status"])
-            return (
-                not windows.empty
-                and windows.window_end.max() > newest  # the window holding the newest reading is final
-                and len(status) == 100
-                and (status.status == "offline").all()
-            )
-
-        wait_for(everything_final, 240, "the last windows to close and every device to go offline", poll=1.0)
+        closed = "the last windows to close and every device to go offline"
+        wait_for(lambda: _everything_final(settings), 240, closed, poll=1.0)
     finally:
         stop.set()
         stream.join(120)
     assert not stream.is_alive()
+
+
+def test_a_silent_fleet_still_finalises_its_last_windows_and_goes_offline(isolated: Settings, spark: SparkSession):
+    """The event-time clock: once readings stop, ticks move the watermark, so nothing waits for more data."""
+    fast = _scaled_down(isolated)
+    _simulate(fast, fast.home / "truth.parquet", START, seed=51, duration=60, dropout_fraction=0.0)
+    _stream_until_final(fast)
     assert deltalake.DeltaTable(fast.table_path(STREAM_CLOCK)).to_pandas().shape[0] > 0
     check = reconcile_analytics(spark, fast)
     assert check.problems == [], check.report()
@@ -265,3 +277,15 @@ def test_a_silent_fleet_still_finalises_its_last_windows_and_goes_offline(isolat
     assert [problem.split(":")[0] for problem in damaged.problems] == [LIVE_WINDOWS, DEVICE_STATUS], damaged.report()
     assert "rows of the batch recomputation are missing" in damaged.problems[1]
     assert damaged.rows_checked == check.rows_checked
+
+
+def test_a_stream_restarted_while_its_fleet_is_silent_resumes_its_clock(isolated: Settings, spark: SparkSession):
+    """A stream stopped before its fleet's silence was noticed, and started again while it lasts: its clock
+    resumes where event time stood, so the last windows close and the devices go offline without a reading."""
+    fast = _scaled_down(isolated)
+    _simulate(fast, fast.home / "truth.parquet", START, seed=53, duration=30, dropout_fraction=0.0)
+    run_stream(fast, None)  # every reading into every table, then stopped: no clock ran
+    assert not _everything_final(fast)
+    _stream_until_final(fast)  # not one reading arrives: only ticks can close the windows
+    check = reconcile_analytics(spark, fast)
+    assert check.problems == [], check.report()

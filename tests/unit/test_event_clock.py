@@ -7,11 +7,15 @@ import json
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow as pa
+from deltalake import write_deltalake
+
 from iotmon.config import Settings
-from iotmon.schema import ANOMALIES, INGEST, SILVER
-from pipeline.clock import EventClock, Observed, delta_end, kafka_end, ticks_due
+from iotmon.schema import ANOMALIES, EVENT_TIME, INGEST, SILVER, STREAM_CLOCK
+from pipeline.clock import EventClock, Observed, delta_end, kafka_end, resumed_event_time, ticks_due
 
 NEWEST = dt.datetime(2026, 11, 20, 8, 0, tzinfo=dt.UTC)
 
@@ -50,8 +54,8 @@ def test_offsets_read_from_progress_reports() -> None:
 
 
 def _clock() -> EventClock:
-    """A clock fed by hand: its session is never asked (``observe`` does not use it)."""
-    return EventClock(SimpleNamespace(), Settings.from_env({}), threading.Event())
+    """A clock fed by hand, in a session without queries to ask."""
+    return EventClock(SimpleNamespace(streams=SimpleNamespace(active=[])), Settings.from_env({}), threading.Event())
 
 
 def _not_asked(*_: object) -> dict[int, int]:
@@ -105,3 +109,38 @@ def test_a_tick_follows_a_batch_of_readings_that_a_batch_without_readings_follow
     observed = clock.observe(lambda: {0: 3062}, {SILVER: 1}.__getitem__)
     assert observed.newest_event == NEWEST and observed.kafka_unread == 0
     assert ticks_due(replace(observed, idle_s=60.0), 2.0)[SILVER] == NEWEST + dt.timedelta(seconds=60)
+
+
+def test_a_restarted_clock_resumes_where_event_time_stood(tmp_path: Path) -> None:
+    """Restarted while the fleet is silent, the clock ticks on from the newest reading or tick in the lake; from
+    nothing it would wait for a reading that may never come."""
+    settings = Settings.from_env({"IOTMON_HOME": str(tmp_path)})
+    assert resumed_event_time(settings) is None  # a new lake
+    times = [NEWEST - dt.timedelta(minutes=2), NEWEST - dt.timedelta(minutes=1)]
+    write_deltalake(settings.table_path(SILVER), pa.table({"device_id": ["d1", "d2"], EVENT_TIME: times}))
+    assert resumed_event_time(settings) == NEWEST - dt.timedelta(minutes=1)
+    ticks = pa.table({EVENT_TIME: [NEWEST], "follows": [SILVER]})
+    write_deltalake(settings.table_path(STREAM_CLOCK), ticks)
+    assert resumed_event_time(settings) == NEWEST
+
+
+def test_a_query_that_reported_nothing_since_the_clock_started_is_asked_once_the_source_is_idle() -> None:
+    # A stream restarted on a source with nothing new runs no batch, so the bus hands over no report: the
+    # ingest query's own last progress (an idle trigger's) still says what it has read.
+    idle = {"name": INGEST, "batchId": 7, "numInputRows": 0, "sources": [{"endOffset": {"t": {"0": 3062}}}]}
+    asked: list[str] = []
+
+    class Query(SimpleNamespace):
+        @property
+        def lastProgress(self) -> dict:
+            asked.append(self.name)
+            return idle
+
+    spark = SimpleNamespace(streams=SimpleNamespace(active=[Query(name=INGEST)]))
+    clock = EventClock(spark, Settings.from_env({}), threading.Event())
+    clock.newest_event = NEWEST  # as resumed at its start
+    assert clock.observe(_not_asked, _not_asked).kafka_unread is None and asked == []  # not idle long enough yet
+    clock.last_record_at = time.monotonic() - 45
+    observed = clock.observe(lambda: {0: 3062}, {SILVER: 1}.__getitem__)
+    assert asked == [INGEST] and observed.kafka_unread == 0 and observed.complete == {SILVER: True, ANOMALIES: False}
+    assert ticks_due(observed, 30.0).keys() == {SILVER}
