@@ -9,8 +9,8 @@ while may only be behind (a stalled scorer, a broker restart), and ticking then 
 past readings still on their way, which it would drop. So a tick that follows a table is written only
 when Kafka holds nothing the ingest query has not read, that table holds everything read, and nothing new
 has arrived for ``IOTMON_IDLE_TICK_AFTER``. Its time is the newest event time seen plus the wall time since
-the last record arrived: event time advancing at the wall clock's pace, as a live fleet's does. A stalled or
-restarted upstream therefore delays windows, and never drops readings from them.
+the last record arrived (or the clock started): event time advancing at the wall clock's pace, as a live
+fleet's does. A stalled or restarted upstream therefore delays windows, and never drops readings from them.
 
 A restarted stream resumes the clock where event time stood (the newest of silver's readings and of the ticks,
 ``resumed_event_time``): otherwise, restarted while its fleet is silent, it would wait for a reading that may
@@ -194,7 +194,14 @@ class EventClock(threading.Thread):
     def start(self) -> None:
         """Resume where event time stood and listen, before the queries start; then tick on a thread of its own
         until ``stop``."""
-        self.newest_event = resumed_event_time(self.settings)  # not listening yet: no report has come
+        try:
+            self.newest_event = resumed_event_time(self.settings)  # not listening yet: no report has come
+        except Exception as exc:  # an unreadable log must not stop the stream: the clock waits for a reading
+            print(
+                f"event clock: cannot tell where event time stood ({explain(exc)}); it moves on with the next reading",
+                file=self.out,
+                flush=True,
+            )
         self.spark.streams.addListener(self.listener)
         super().start()
 

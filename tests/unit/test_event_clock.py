@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import threading
 import time
@@ -144,3 +145,19 @@ def test_a_query_that_reported_nothing_since_the_clock_started_is_asked_once_the
     observed = clock.observe(lambda: {0: 3062}, {SILVER: 1}.__getitem__)
     assert asked == [INGEST] and observed.kafka_unread == 0 and observed.complete == {SILVER: True, ANOMALIES: False}
     assert ticks_due(observed, 30.0).keys() == {SILVER}
+
+
+def test_a_clock_that_cannot_read_where_event_time_stood_says_so_and_still_runs(tmp_path: Path) -> None:
+    settings = Settings.from_env({"IOTMON_HOME": str(tmp_path)})
+    log = Path(settings.table_path(SILVER)) / "_delta_log"
+    log.mkdir(parents=True)
+    (log / "00000000000000000000.json").write_text("not a Delta log\n")
+    listening: list[object] = []
+    streams = SimpleNamespace(active=[], addListener=listening.append, removeListener=listening.remove)
+    out, stop = io.StringIO(), threading.Event()
+    stop.set()  # its thread ends at once, and stops listening
+    clock = EventClock(SimpleNamespace(streams=streams), settings, stop, out)
+    clock.start()
+    clock.join(10)
+    assert clock.newest_event is None and not clock.is_alive() and listening == []
+    assert "cannot tell where event time stood" in out.getvalue()
