@@ -33,16 +33,13 @@ from bench.stats import rate
 from ingest.landing import kafka_records
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
-from iotmon.queries import AVAILABLE_NOW, await_batches, run_continuously, run_until_idle
-from pipeline.clock import EventClock
-from pipeline.stream import drain_until_idle
+from iotmon.queries import AVAILABLE_NOW, await_batches, run_until_idle
+from pipeline.stream import drain_until_idle, run_topology
 from pipeline.topology import (
     KAFKA,
     TOPOLOGY,
     ensure_tables,
-    lead_queries,
     queries,
-    trigger_of,
     triggers_line,
 )
 from simulators.options import SimulationOptions
@@ -217,23 +214,13 @@ def drain_concurrently(
 
     def run() -> None:
         try:
-            run_continuously(
-                spark,
-                settings,
-                queries(),
-                stop,
-                out=sys.stderr,
-                report_every=30.0,
-                trigger_of=trigger_of(settings),
-                lead=lead_queries(),
-            )
+            run_topology(spark, settings, stop, report_every=30.0)
         except BaseException as exc:  # reported by the caller, after the queries stopped
             failure.append(exc)
             stop.set()
 
     runner = threading.Thread(target=run, name="iotmon-bench-stream", daemon=True)
     started = time.monotonic()
-    EventClock(spark, settings, stop).start()
     runner.start()
     lagging: list[str] = list(SOURCE_OF)
     caught_up_at = None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from iotmon.config import ConfigError, Settings
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Sequence
     from typing import TextIO
 
     from pyspark.sql import SparkSession
@@ -33,22 +33,17 @@ def run_stream(
     from iotmon.kafka import ensure_topic
     from iotmon.ops import install_progress_recorder
     from iotmon.preflight import require_writable
-    from iotmon.queries import run_continuously
     from iotmon.spark import spark_session
     from ml import registry
-    from pipeline.clock import EventClock
     from pipeline.drain import unread_now
     from pipeline.topology import (
         ensure_tables,
         lead_queries,
         outdated_checkpoints,
         pool_weights,
-        queries,
         retired_checkpoints,
         source_reads,
-        trigger_of,
         triggers_line,
-        upstream_of,
     )
     from streaming.scoring import SCORING_QUERY
 
@@ -74,7 +69,6 @@ def run_stream(
         if stop is None:
             drain_until_idle(spark, settings)
             return
-        EventClock(spark, settings, stop).start()
         print(
             f"streaming {settings.topic} -> {settings.lake_root} ({triggers_line(settings)}); "
             "Ctrl-C or SIGTERM stops cleanly",
@@ -87,17 +81,47 @@ def run_stream(
             trainer, _ = start_trainer(spark, settings, stop, train_every_s)
             if first_model:
                 lead, hold = (*lead, SCORING_QUERY.name), first_model_hold(settings, trainer)
-        run_continuously(
+        run_topology(
             spark,
             settings,
-            queries(),
             stop,
-            trigger_of=trigger_of(settings),
             unread=(lambda: unread_now(spark, settings)) if drain_on_stop else None,
             lead=lead,
             hold=hold,
-            upstream=upstream_of,
         )
+
+
+def run_topology(
+    spark: SparkSession,
+    settings: Settings,
+    stop: threading.Event,
+    out: TextIO = sys.stderr,
+    report_every: float = 10.0,
+    unread: Callable[[], Sequence[str]] | None = None,
+    lead: Iterable[str] | None = None,
+    hold: Callable[[], str | None] | None = None,
+) -> None:
+    """Every query of the topology on its budget's trigger, supervised, with the event clock beside them,
+    until ``stop`` (``iotmon.queries.run_continuously``: ``unread``, ``lead`` (by default the queries that read
+    Kafka) and ``hold`` are its). What ``iotmon stream`` runs, and the bench measures."""
+    from iotmon.queries import run_continuously
+    from pipeline.clock import EventClock
+    from pipeline.topology import lead_queries, queries, trigger_of, upstream_of
+
+    EventClock(spark, settings, stop, out).start()
+    run_continuously(
+        spark,
+        settings,
+        queries(),
+        stop,
+        out,
+        report_every,
+        trigger_of=trigger_of(settings),
+        unread=unread,
+        lead=tuple(lead) if lead is not None else lead_queries(),
+        hold=hold,
+        upstream=upstream_of,
+    )
 
 
 def drain_until_idle(
