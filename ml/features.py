@@ -179,43 +179,78 @@ def _stats(sums: _WindowSums, values: np.ndarray, jumps: np.ndarray, counted: np
 
 
 def device_features(
-    event_us: np.ndarray, seq: np.ndarray, values: np.ndarray, on_time: np.ndarray, spec: FeatureSpec
+    event_us: np.ndarray,
+    seq: np.ndarray,
+    values: np.ndarray,
+    on_time: np.ndarray,
+    spec: FeatureSpec,
+    first: int = 0,
 ) -> np.ndarray:
-    """The features of each of one device's readings: ``(n, metrics, 4)`` in ``FEATURE_COLUMNS`` order.
+    """The features of one device's readings from index ``first`` on: ``(n - first, metrics, 4)`` in
+    ``FEATURE_COLUMNS`` order; the readings before ``first`` are context only.
 
     Readings must be sorted by (event time, seq); ``values`` is ``(n, metrics)``. Each reading's features
     are right when the readings passed include the device's readings from ``spec.lookback_start_us`` of it
     on (the archive does; the scorer passes that much).
+
+    Only what the wanted features depend on is computed: their windows need the suspicion of the readings
+    from the bucket before the first one's window on, and those readings' windows need the jumps of the
+    readings from the bucket before theirs on. Window sums restart at every bucket, so the values are those
+    of the whole computation, bit for bit; a scorer whose batch is a few seconds of a lookback of minutes
+    computes a fraction of it.
     """
     n, metrics = values.shape
     history = np.flatnonzero(on_time)
-    if len(history) == 0:  # nothing to judge against, as for a device's first readings
-        return np.zeros((n, metrics, len(FEATURE_COLUMNS)))
+    if len(history) == 0 or first >= n:  # nothing to judge against, as for a device's first readings
+        return np.zeros((max(n - first, 0), metrics, len(FEATURE_COLUMNS)))
+    # Suspicion is needed from the bucket holding the first wanted window's start on (``judged``), jumps
+    # from the bucket before that one on (``jumped``): what the window sums of the readings after them reach.
+    judged_us = (int(event_us[first]) - spec.history_us) // spec.history_us * spec.history_us
+    judged = int(np.searchsorted(event_us, judged_us, side="left"))
+    jumped = int(np.searchsorted(event_us, judged_us - spec.history_us, side="left"))
     h_us, h_values = event_us[history], values[history]
     # Each reading's window: the on-time readings in (t - history, t - settle], oldest first.
-    lo = np.searchsorted(h_us, event_us - spec.history_us, side="right")
-    hi = np.searchsorted(h_us, event_us - spec.settle_us, side="right")
-    previous = np.full((n, _PREVIOUS, metrics), np.nan)
+    lo = np.searchsorted(h_us, event_us[jumped:] - spec.history_us, side="right")
+    hi = np.searchsorted(h_us, event_us[jumped:] - spec.settle_us, side="right")
+    previous = np.full((n - jumped, _PREVIOUS, metrics), np.nan)
     for k in range(1, _PREVIOUS + 1):
         found = hi - k >= lo
         previous[found, k - 1] = h_values[hi[found] - k]
-    jumps = np.abs(values - previous[:, 0])
-    repeats = np.zeros((n, metrics))
-    run = np.ones((n, metrics), dtype=bool)
+    jumps = np.full((n, metrics), np.nan)
+    jumps[jumped:] = np.abs(values[jumped:] - previous[:, 0])
+
+    # From here on, per reading from ``judged`` on; and the on-time readings from the bucket before
+    # ``judged``'s on, the first any of their windows reaches (``summed``), as the windows' sums start anew
+    # at every bucket.
+    summed = int(np.searchsorted(h_us, judged_us - spec.history_us, side="left"))
+    history, h_us, h_values = history[summed:], h_us[summed:], h_values[summed:]
+    if len(history) == 0:  # no window of a wanted reading holds a reading: none says anything yet
+        return np.zeros((n - first, metrics, len(FEATURE_COLUMNS)))
+    lo, hi, previous = lo[judged - jumped :] - summed, hi[judged - jumped :] - summed, previous[judged - jumped :]
+    judged_values = values[judged:]
+    repeats = np.zeros((n - judged, metrics))
+    run = np.ones((n - judged, metrics), dtype=bool)
     for k in range(REPEAT_DEPTH):
-        run &= previous[:, k] == values
+        run &= previous[:, k] == judged_values
         repeats += run
 
     sums = _WindowSums(h_us, spec.history_us)
     everything = np.ones_like(h_values, dtype=bool)
     plain_mean, plain_noise, plain_known = _stats(sums, h_values, jumps[history], everything, lo, hi)
+    suspect = np.zeros((n, metrics), dtype=bool)  # the readings before ``judged`` are in no wanted window
     with np.errstate(invalid="ignore"):
-        suspect = plain_known & (
-            (np.abs(values - plain_mean) > SUSPECT_AT * plain_noise)
-            | (jumps > SUSPECT_AT * plain_noise)
+        suspect[judged:] = plain_known & (
+            (np.abs(judged_values - plain_mean) > SUSPECT_AT * plain_noise)
+            | (jumps[judged:] > SUSPECT_AT * plain_noise)
             | (repeats >= SUSPECT_REPEATS)
         )
     clean = ~suspect[history]
+
+    # From here on, per wanted reading.
+    wanted = slice(first - judged, None)
+    lo, hi, previous, repeats = lo[wanted], hi[wanted], previous[wanted], repeats[wanted]
+    plain_mean, plain_noise, plain_known = plain_mean[wanted], plain_noise[wanted], plain_known[wanted]
+    wanted_values = values[first:]
     clean_mean, clean_noise, clean_known = _stats(sums, h_values, jumps[history], clean, lo, hi)
     # A window made only of suspects (deep inside a long episode) falls back to the plain one.
     mean = np.where(clean_known, clean_mean, plain_mean)
@@ -226,13 +261,13 @@ def device_features(
     at = np.maximum(hi - 1, 0)
     last_clean_index = latest_clean[at]
     has_clean = (hi > lo)[:, None] & (last_clean_index >= lo[:, None])
-    last_clean = np.where(has_clean, h_values[np.maximum(last_clean_index, 0), np.arange(metrics)], values)
+    last_clean = np.where(has_clean, h_values[np.maximum(last_clean_index, 0), np.arange(metrics)], wanted_values)
 
-    features = np.empty((n, metrics, len(FEATURE_COLUMNS)))
-    features[..., 0] = (values - mean) / noise
-    features[..., 1] = (values - last_clean) / noise
+    features = np.empty((n - first, metrics, len(FEATURE_COLUMNS)))
+    features[..., 0] = (wanted_values - mean) / noise
+    features[..., 1] = (wanted_values - last_clean) / noise
     features[..., 2] = repeats
-    features[..., 3] = _spread(values, previous[:, : SPREAD_DEPTH - 1]) / noise
+    features[..., 3] = _spread(wanted_values, previous[:, : SPREAD_DEPTH - 1]) / noise
     # Too short a window (a device's first readings, the return from a dropout) says nothing yet.
     features[~plain_known] = 0.0
     return features
@@ -262,11 +297,9 @@ def featured_table(table: pa.Table, spec: FeatureSpec, since_us: int | None = No
     event_us, seq = event_us[order], seq[order]
     values = np.column_stack([table.column(m).to_numpy() for m in METRIC_NAMES])[order].astype(np.float64)
     on_time = pc.equal(table.column(LATENESS), ON_TIME).to_numpy(zero_copy_only=False)[order]
-    features = device_features(event_us, seq, values, on_time, spec)
-    wanted = order if since_us is None else order[event_us >= since_us]
-    if since_us is not None:
-        features = features[event_us >= since_us]
-    table = table.take(pa.array(wanted))
+    first = 0 if since_us is None else int(np.searchsorted(event_us, since_us, side="left"))
+    features = device_features(event_us, seq, values, on_time, spec, first)
+    table = table.take(pa.array(order[first:]))
     for m, name in enumerate(METRIC_NAMES):
         fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]
         table = table.append_column(f"f_{name}", pa.StructArray.from_arrays(fields, names=list(FEATURE_COLUMNS)))

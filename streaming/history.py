@@ -144,8 +144,10 @@ class DeviceHistory:
             known = self.devices[device].merged(mine)
             # Features only look back: what silver held beyond the batch's newest reading plays no part.
             context = known.between(starts[device], mine.newest_scored_us)
-            every = device_features(context.event_us, context.seq, context.values, context.on_time, spec)
-            features[rows] = every[_positions(context, mine.event_us, mine.seq)]
+            positions = _positions(context, mine.event_us, mine.seq)
+            first = int(positions.min())  # the batch's oldest reading: the context before it is context only
+            wanted = device_features(context.event_us, context.seq, context.values, context.on_time, spec, first)
+            features[rows] = wanted[positions - first]
             self.devices[device] = known.between(self._horizon(known, spec))
         for m, metric in enumerate(METRIC_NAMES):
             fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]

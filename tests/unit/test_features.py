@@ -11,7 +11,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from iotmon.schema import METRIC_NAMES
-from ml.features import MIN_HISTORY, FeatureSpec, metric_rows, reading_features
+from ml.features import MIN_HISTORY, FeatureSpec, device_features, metric_rows, reading_features
 from tests.readings import at, silver_frame, silver_row
 
 SPEC = FeatureSpec(history_s=20.0)
@@ -163,3 +163,22 @@ def test_a_device_with_no_on_time_reading_has_no_history_and_quiet_features(spar
     quiet = {name: 0.0 for name in ("level", "step", "repeats", "spread")}
     assert sorted(features) == list(range(1, 13))
     assert all({k: f[k] for k in quiet} == quiet for f in features.values())
+
+
+def test_the_features_from_a_reading_on_are_those_of_the_whole_computation() -> None:
+    """The scorer asks only for its batch's features (``first``): the suspicion and the jumps it then leaves
+    out must be those no wanted window reaches, for any first reading, bit for bit."""
+    rng = np.random.default_rng(5)
+    n = 400
+    event_us = np.sort(rng.integers(0, 200_000_000, n))  # 200 s: ten buckets of SPEC's 20 s history
+    seq = np.arange(n)
+    values = np.round(rng.normal(20.0, 0.3, (n, len(METRIC_NAMES))), 2)
+    values[100:112, 0] = values[100, 0]  # stuck
+    values[[150, 151, 260], 1] = 60.0  # spikes, one at a bucket's edge
+    values[300:330, 2] += 5.0  # a shift
+    some_late = rng.random(n) > 0.05  # late readings are context, never history
+    silent_after = some_late & (event_us < 100_000_000)  # from 100 s on, only late readings arrive
+    for on_time in (some_late, silent_after):
+        whole = device_features(event_us, seq, values, on_time, SPEC)
+        for first in [1, 37, 99, 150, 151, 200, 261, 350, 399, 400]:
+            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, first), whole[first:])
