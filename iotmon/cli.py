@@ -212,7 +212,7 @@ def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
     for table in (BRONZE, QUARANTINE):
         if not DeltaTable.isDeltaTable(spark, settings.table_path(table)):
             raise no_table(table)
-    return _reported(reconcile_lake(spark, settings, truth, progress=_checking))
+    return _reported(reconcile_lake(spark, settings, truth, progress=reconciliation_progress))
 
 
 def _reported(check: LakeCheck) -> int:
@@ -223,8 +223,11 @@ def _reported(check: LakeCheck) -> int:
     return 0 if not check.problems else EXIT_MISMATCH
 
 
-def _checking(what: str) -> None:
-    print(f"verify: checking {what}", file=sys.stderr, flush=True)
+def reconciliation_progress(what: str) -> None:
+    """A reconciliation's progress line. The comparisons run at once on threads, so each line is one write:
+    ``print`` writes the text and the newline apart, and two threads' lines ran together on the console."""
+    sys.stderr.write(f"verify: checking {what}\n")
+    sys.stderr.flush()
 
 
 def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> list[Path]:
@@ -523,7 +526,7 @@ def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
             raise CommandError("--fresh deletes the broker's data: stop it first (`iotmon kafka stop`)")
         cmd_reset(settings, argparse.Namespace(kafka=True, models=settings.mlflow_tracking_uri is None))
     options = DemoOptions(args.devices, args.rate, args.duration, args.retrain_every)
-    return _reported(run_demo(settings, options, stop, progress=_checking))
+    return _reported(run_demo(settings, options, stop, progress=reconciliation_progress))
 
 
 # --- chaos -------------------------------------------------------------------------------------------------

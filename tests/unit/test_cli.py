@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from iotmon.cli import EXIT_ERROR, main, remember_interrupts, stop_on_signals
+from iotmon.cli import EXIT_ERROR, main, reconciliation_progress, remember_interrupts, stop_on_signals
 
 
 @pytest.fixture(autouse=True)
@@ -171,3 +171,22 @@ def test_an_interrupt_a_library_swallowed_while_starting_still_stops_the_command
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+def test_a_reconciliation_progress_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reconciliation's comparisons report from several threads at once: a line written in two parts (as
+    ``print`` writes a line and its newline) can have another thread's line between them."""
+    writes: list[str] = []
+
+    class Console:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr("sys.stderr", Console())
+    reconciliation_progress("silver against bronze")
+    reconciliation_progress("alerts against the alert rules")
+    assert writes == ["verify: checking silver against bronze\n", "verify: checking alerts against the alert rules\n"]
