@@ -65,10 +65,11 @@ def ensure_anomalies_table(spark: SparkSession, settings: Settings) -> None:
 
 def anomalies_of(featured: DataFrame, pipeline: PipelineModel, ref: registry.ModelRef) -> DataFrame:
     """Featured silver readings (``f_<metric>`` columns) scored by ``ref``: rows of ``ANOMALIES_SCHEMA``."""
-    return _as_anomalies(anomaly_scores(featured, pipeline, keep=KEPT_COLUMNS), ref)
+    return as_anomalies(anomaly_scores(featured, pipeline, keep=KEPT_COLUMNS), ref)
 
 
-def _as_anomalies(scores: DataFrame, ref: registry.ModelRef) -> DataFrame:
+def as_anomalies(scores: DataFrame, ref: registry.ModelRef) -> DataFrame:
+    """Scored readings (a ``score`` each) as rows of ``ANOMALIES_SCHEMA``: ``ref``'s threshold, verdict and name."""
     columns = {
         "threshold": F.lit(ref.threshold),
         "is_anomaly": F.col("score") > F.lit(ref.threshold),
@@ -79,7 +80,7 @@ def _as_anomalies(scores: DataFrame, ref: registry.ModelRef) -> DataFrame:
 
 
 def anomaly_rows(scores: pa.Table, ref: registry.ModelRef) -> pa.Table:
-    """What ``_as_anomalies`` makes of scored readings, from the scorer's Arrow: no trip through the JVM."""
+    """What ``as_anomalies`` makes of scored readings, from the scorer's Arrow: no trip through the JVM."""
     rows, score = scores.num_rows, scores.column("score")
     model = {
         "threshold": pa.array(np.full(rows, ref.threshold), pa.float64()),

@@ -10,7 +10,7 @@ from pyspark.sql import SparkSession
 
 from iotmon.schema import ANOMALIES_SCHEMA
 from ml.registry import ModelRef
-from streaming.scoring import _as_anomalies, anomaly_rows
+from streaming.scoring import anomaly_rows, as_anomalies
 
 
 def _plain(column: pa.ChunkedArray) -> list[object]:
@@ -39,7 +39,7 @@ def test_the_scorers_arrow_rows_equal_sparks_for_the_same_scores(spark: SparkSes
         }
     )
     ours = anomaly_rows(table, REF)
-    theirs = _as_anomalies(spark.createDataFrame(table), REF).toArrow()
+    theirs = as_anomalies(spark.createDataFrame(table), REF).toArrow()
     assert ours.column_names == theirs.column_names == ANOMALIES_SCHEMA.fieldNames()
     assert ours.column("is_anomaly").to_pylist() == [False, False, True, True, None]
     for name in ours.column_names:
