@@ -194,14 +194,14 @@ def device_features(
     on (the archive does; the scorer passes that much).
 
     Only what the wanted features depend on is computed: their windows need the suspicion of the readings
-    from the bucket before the first one's window on, and those readings' windows need the jumps of the
-    readings from the bucket before theirs on. Window sums restart at every bucket, so the values are those
-    of the whole computation, bit for bit; a scorer whose batch is a few seconds of a lookback of minutes
-    computes a fraction of it.
+    from the bucket holding the first one's window start on, and those readings' windows need the jumps of
+    the readings from the bucket before that one on. Window sums restart at every bucket, so the values are
+    those of the whole computation, bit for bit; a scorer whose batch is a few seconds of a lookback of
+    minutes computes a fraction of it.
     """
     n, metrics = values.shape
     history = np.flatnonzero(on_time)
-    if len(history) == 0 or first >= n:  # nothing to judge against, as for a device's first readings
+    if len(history) == 0 or first >= n:  # nothing to judge against (a device's first readings), or nothing wanted
         return np.zeros((max(n - first, 0), metrics, len(FEATURE_COLUMNS)))
     # Suspicion is needed from the bucket holding the first wanted window's start on (``judged``), jumps
     # from the bucket before that one on (``jumped``): what the window sums of the readings after them reach.
