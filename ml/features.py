@@ -178,92 +178,138 @@ def _stats(sums: _WindowSums, values: np.ndarray, jumps: np.ndarray, counted: np
     return mean, np.fmax(noise, RESOLUTION), jump_count >= MIN_HISTORY
 
 
+@dataclass
+class Judgements:
+    """What the windows of later readings need of each on-time reading: its jump from the reading before it, and
+    whether it looked suspect against its own window (``(n, metrics)`` each), with which readings have them.
+
+    Both depend only on readings that reached Kafka before the reading itself (its window's), so they never
+    change once computed: the scorer keeps them beside its history (``streaming.history``) and computes them
+    only for the readings it has not judged yet, where the archive's whole computation judges every reading."""
+
+    jumps: np.ndarray
+    suspect: np.ndarray
+    jumped: np.ndarray
+    """Per reading: its jump is known (nan where its window holds no reading)."""
+    judged: np.ndarray
+    """Per reading: its suspicion is known."""
+
+    @classmethod
+    def none(cls, n: int, metrics: int) -> Judgements:
+        unknown = np.zeros(n, dtype=bool)
+        return cls(np.full((n, metrics), np.nan), np.zeros((n, metrics), dtype=bool), unknown, unknown.copy())
+
+    def take(self, rows: np.ndarray | slice) -> Judgements:
+        return Judgements(self.jumps[rows], self.suspect[rows], self.jumped[rows], self.judged[rows])
+
+    @staticmethod
+    def concatenated(parts: list[Judgements]) -> Judgements:
+        fields = ("jumps", "suspect", "jumped", "judged")
+        return Judgements(*(np.concatenate([getattr(p, field) for p in parts]) for field in fields))
+
+
 def device_features(
     event_us: np.ndarray,
     seq: np.ndarray,
     values: np.ndarray,
     on_time: np.ndarray,
     spec: FeatureSpec,
-    first: int = 0,
+    wanted: np.ndarray | None = None,
+    judgements: Judgements | None = None,
 ) -> np.ndarray:
-    """The features of one device's readings from index ``first`` on: ``(n - first, metrics, 4)`` in
-    ``FEATURE_COLUMNS`` order; the readings before ``first`` are context only.
+    """The features of one device's readings at the indices ``wanted`` (ascending; every reading by default):
+    ``(len(wanted), metrics, 4)`` in ``FEATURE_COLUMNS`` order. The other readings are context only.
 
     Readings must be sorted by (event time, seq); ``values`` is ``(n, metrics)``. Each reading's features
     are right when the readings passed include the device's readings from ``spec.lookback_start_us`` of it
     on (the archive does; the scorer passes that much).
 
-    Only what the wanted features depend on is computed: their windows need the suspicion of the readings
-    from the bucket holding the first one's window start on, and those readings' windows need the jumps of
-    the readings from the bucket before that one on. Window sums restart at every bucket, so the values are
-    those of the whole computation, bit for bit; a scorer whose batch is a few seconds of a lookback of
-    minutes computes a fraction of it.
+    Only what the wanted features depend on is computed: their windows need the suspicion of the on-time
+    readings from the bucket holding the first one's window start on, and every window summed needs the jumps
+    of the on-time readings of its buckets. ``judgements`` are what a caller already knows of those (none by
+    default); what is computed here is added to them, for the next call. Window sums restart at every bucket,
+    so the values are those of the whole computation, bit for bit; a scorer whose batch is a few seconds of a
+    lookback of minutes computes a fraction of it.
     """
     n, metrics = values.shape
+    wanted = np.arange(n) if wanted is None else np.asarray(wanted, dtype=np.int64)
+    features = np.zeros((len(wanted), metrics, len(FEATURE_COLUMNS)))
     history = np.flatnonzero(on_time)
-    if len(history) == 0 or first >= n:  # nothing to judge against (a device's first readings), or nothing wanted
-        return np.zeros((max(n - first, 0), metrics, len(FEATURE_COLUMNS)))
-    # Suspicion is needed from the bucket holding the first wanted window's start on (``judged``), jumps
-    # from the bucket before that one on (``jumped``): what the window sums of the readings after them reach.
-    judged_us = (int(event_us[first]) - spec.history_us) // spec.history_us * spec.history_us
-    judged = int(np.searchsorted(event_us, judged_us, side="left"))
-    jumped = int(np.searchsorted(event_us, judged_us - spec.history_us, side="left"))
+    if len(history) == 0 or len(wanted) == 0:  # nothing to judge against (a device's first readings), or nothing wanted
+        return features
+    known = Judgements.none(n, metrics) if judgements is None else judgements
     h_us, h_values = event_us[history], values[history]
-    # Each reading's window: the on-time readings in (t - history, t - settle], oldest first.
-    lo = np.searchsorted(h_us, event_us[jumped:] - spec.history_us, side="right")
-    hi = np.searchsorted(h_us, event_us[jumped:] - spec.settle_us, side="right")
-    previous = np.full((n - jumped, _PREVIOUS, metrics), np.nan)
+    first, last = int(wanted[0]), int(wanted[-1])
+    # No window reaches past the last wanted reading: the on-time readings after it play no part.
+    history_end = int(np.searchsorted(history, last, side="right"))
+    # Suspicion is needed of the on-time readings from the bucket holding the first wanted window's start on.
+    judged_from = (int(event_us[first]) - spec.history_us) // spec.history_us * spec.history_us
+    suspects = history[int(np.searchsorted(h_us, judged_from, side="left")) : history_end]
+    suspects = suspects[~known.judged[suspects]]
+    # Sums over windows (the suspects' and the wanted readings') start at the bucket holding the earliest
+    # window's start; they need the jumps of the on-time readings from there on.
+    earliest = min(int(event_us[first]), int(event_us[suspects[0]])) if len(suspects) else int(event_us[first])
+    summed = int(np.searchsorted(h_us, (earliest - spec.history_us) // spec.history_us * spec.history_us, side="left"))
+    if summed >= history_end:  # no window of a wanted reading holds a reading: none says anything yet
+        return features
+    jumpers = history[summed:history_end]
+    jumpers = jumpers[~known.jumped[jumpers]]
+
+    # Each of those readings' window: the on-time readings in (t - history, t - settle], oldest first.
+    windowed = np.union1d(np.union1d(suspects, jumpers), wanted)
+    lo = np.searchsorted(h_us, event_us[windowed] - spec.history_us, side="right")
+    hi = np.searchsorted(h_us, event_us[windowed] - spec.settle_us, side="right")
+    previous = np.full((len(windowed), _PREVIOUS, metrics), np.nan)
     for k in range(1, _PREVIOUS + 1):
         found = hi - k >= lo
         previous[found, k - 1] = h_values[hi[found] - k]
-    jumps = np.full((n, metrics), np.nan)
-    jumps[jumped:] = np.abs(values[jumped:] - previous[:, 0])
+    known.jumps[jumpers] = np.abs(values[jumpers] - previous[np.searchsorted(windowed, jumpers), 0])
+    known.jumped[jumpers] = True
 
-    # From here on, per reading from ``judged`` on; and the on-time readings from the bucket before
-    # ``judged``'s on, the first any of their windows reaches (``summed``), as the windows' sums start anew
-    # at every bucket.
-    summed = int(np.searchsorted(h_us, judged_us - spec.history_us, side="left"))
-    history, h_us, h_values = history[summed:], h_us[summed:], h_values[summed:]
-    if len(history) == 0:  # no window of a wanted reading holds a reading: none says anything yet
-        return np.zeros((n - first, metrics, len(FEATURE_COLUMNS)))
-    lo, hi, previous = lo[judged - jumped :] - summed, hi[judged - jumped :] - summed, previous[judged - jumped :]
-    judged_values = values[judged:]
-    repeats = np.zeros((n - judged, metrics))
-    run = np.ones((n - judged, metrics), dtype=bool)
+    # The windows' sums, over the on-time readings from ``summed`` on: they start anew at every bucket.
+    h_values, h_jumps = h_values[summed:history_end], known.jumps[history[summed:history_end]]
+    sums = _WindowSums(h_us[summed:history_end], spec.history_us)
+    lo, hi = lo - summed, hi - summed
+    # The plain windows' statistics, of the suspects (their suspicion) and of the wanted readings (a fallback).
+    stated = np.union1d(suspects, wanted)
+    stated_windows = np.searchsorted(windowed, stated)
+    stated_values, previous_stated = values[stated], previous[stated_windows]
+    repeats = np.zeros((len(stated), metrics))
+    run = np.ones((len(stated), metrics), dtype=bool)
     for k in range(REPEAT_DEPTH):
-        run &= previous[:, k] == judged_values
+        run &= previous_stated[:, k] == stated_values
         repeats += run
-
-    sums = _WindowSums(h_us, spec.history_us)
     everything = np.ones_like(h_values, dtype=bool)
-    plain_mean, plain_noise, plain_known = _stats(sums, h_values, jumps[history], everything, lo, hi)
-    suspect = np.zeros((n, metrics), dtype=bool)  # the readings before ``judged`` are in no wanted window
-    with np.errstate(invalid="ignore"):
-        suspect[judged:] = plain_known & (
-            (np.abs(judged_values - plain_mean) > SUSPECT_AT * plain_noise)
-            | (jumps[judged:] > SUSPECT_AT * plain_noise)
-            | (repeats >= SUSPECT_REPEATS)
-        )
-    clean = ~suspect[history]
+    plain_mean, plain_noise, plain_known = _stats(
+        sums, h_values, h_jumps, everything, lo[stated_windows], hi[stated_windows]
+    )
+    if len(suspects):
+        of = np.searchsorted(stated, suspects)
+        with np.errstate(invalid="ignore"):
+            known.suspect[suspects] = plain_known[of] & (
+                (np.abs(stated_values[of] - plain_mean[of]) > SUSPECT_AT * plain_noise[of])
+                | (known.jumps[suspects] > SUSPECT_AT * plain_noise[of])
+                | (repeats[of] >= SUSPECT_REPEATS)
+            )
+        known.judged[suspects] = True
+    clean = ~known.suspect[history[summed:history_end]]
 
     # From here on, per wanted reading.
-    wanted = slice(first - judged, None)
-    lo, hi, previous, repeats = lo[wanted], hi[wanted], previous[wanted], repeats[wanted]
-    plain_mean, plain_noise, plain_known = plain_mean[wanted], plain_noise[wanted], plain_known[wanted]
-    wanted_values = values[first:]
-    clean_mean, clean_noise, clean_known = _stats(sums, h_values, jumps[history], clean, lo, hi)
+    of, windows = np.searchsorted(stated, wanted), np.searchsorted(windowed, wanted)
+    lo, hi, previous, repeats = lo[windows], hi[windows], previous[windows], repeats[of]
+    plain_mean, plain_noise, plain_known = plain_mean[of], plain_noise[of], plain_known[of]
+    wanted_values = values[wanted]
+    clean_mean, clean_noise, clean_known = _stats(sums, h_values, h_jumps, clean, lo, hi)
     # A window made only of suspects (deep inside a long episode) falls back to the plain one.
     mean = np.where(clean_known, clean_mean, plain_mean)
     noise = np.where(clean_known, clean_noise, plain_noise)
 
     # From the latest unsuspected reading of the window, so the return from a spike is not a second spike.
-    latest_clean = np.maximum.accumulate(np.where(clean, np.arange(len(history))[:, None], -1), axis=0)
-    at = np.maximum(hi - 1, 0)
-    last_clean_index = latest_clean[at]
+    latest_clean = np.maximum.accumulate(np.where(clean, np.arange(len(h_values))[:, None], -1), axis=0)
+    last_clean_index = latest_clean[np.maximum(hi - 1, 0)]
     has_clean = (hi > lo)[:, None] & (last_clean_index >= lo[:, None])
     last_clean = np.where(has_clean, h_values[np.maximum(last_clean_index, 0), np.arange(metrics)], wanted_values)
 
-    features = np.empty((n - first, metrics, len(FEATURE_COLUMNS)))
     features[..., 0] = (wanted_values - mean) / noise
     features[..., 1] = (wanted_values - last_clean) / noise
     features[..., 2] = repeats
@@ -298,7 +344,7 @@ def featured_table(table: pa.Table, spec: FeatureSpec, since_us: int | None = No
     values = np.column_stack([table.column(m).to_numpy() for m in METRIC_NAMES])[order].astype(np.float64)
     on_time = pc.equal(table.column(LATENESS), ON_TIME).to_numpy(zero_copy_only=False)[order]
     first = 0 if since_us is None else int(np.searchsorted(event_us, since_us, side="left"))
-    features = device_features(event_us, seq, values, on_time, spec, first)
+    features = device_features(event_us, seq, values, on_time, spec, np.arange(first, len(event_us)))
     table = table.take(pa.array(order[first:]))
     for m, name in enumerate(METRIC_NAMES):
         fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from iotmon.schema import DEVICE_ID, EVENT_TIME, LATENESS, METRIC_NAMES, ON_TIME, SEQ
-from ml.features import FEATURE_COLUMNS, FeatureSpec, device_features
+from ml.features import FEATURE_COLUMNS, FeatureSpec, Judgements, device_features
 
 FEATURE_INPUTS: tuple[str, ...] = (DEVICE_ID, SEQ, EVENT_TIME, *METRIC_NAMES, LATENESS)
 """The silver columns a reading's features are computed from."""
@@ -41,12 +41,14 @@ holds from then, however new)."""
 
 @dataclass
 class _Readings:
-    """One device's readings, sorted by (event time, seq), and from when on they are all there."""
+    """One device's readings, sorted by (event time, seq), and from when on they are all there; with what is
+    known of each reading's jump and suspicion (``ml.features.Judgements``), computed once per reading."""
 
     event_us: np.ndarray
     seq: np.ndarray
     values: np.ndarray
     on_time: np.ndarray
+    judgements: Judgements
     complete_from_us: int
     newest_scored_us: int = -1
     """The newest reading of the device a batch has had: what decides what is still needed (readings read from
@@ -54,7 +56,7 @@ class _Readings:
 
     def merged(self, other: _Readings | None) -> _Readings:
         """These readings and ``other``'s, each once, sorted; complete from where these are (``other`` only
-        adds readings)."""
+        adds readings). A reading both hold keeps these readings' judgements."""
         parts = [self] if other is None else [self, other]
         event_us = np.concatenate([p.event_us for p in parts])
         seq = np.concatenate([p.seq for p in parts])
@@ -68,19 +70,20 @@ class _Readings:
             seq[first],
             np.concatenate([p.values for p in parts])[keep],
             np.concatenate([p.on_time for p in parts])[keep],
+            Judgements.concatenated([p.judgements for p in parts]).take(keep),
             self.complete_from_us,
             max(p.newest_scored_us for p in parts),
         )
 
-    def between(self, start_us: int, end_us: int | None = None) -> _Readings:
-        """The readings from ``start_us`` on (to ``end_us``, included, when given)."""
+    def since(self, start_us: int) -> _Readings:
+        """The readings from ``start_us`` on."""
         at = int(np.searchsorted(self.event_us, start_us, side="left"))
-        to = len(self.event_us) if end_us is None else int(np.searchsorted(self.event_us, end_us, side="right"))
         return _Readings(
-            self.event_us[at:to],
-            self.seq[at:to],
-            self.values[at:to],
-            self.on_time[at:to],
+            self.event_us[at:],
+            self.seq[at:],
+            self.values[at:],
+            self.on_time[at:],
+            self.judgements.take(slice(at, None)),
             max(self.complete_from_us, start_us),
             self.newest_scored_us,
         )
@@ -107,7 +110,14 @@ class _Columns:
 
     def readings(self, rows: np.ndarray, complete_from_us: int) -> _Readings:
         """The readings at ``rows``, complete from ``complete_from_us`` on."""
-        picked = _Readings(self.event_us[rows], self.seq[rows], self.values[rows], self.on_time[rows], complete_from_us)
+        picked = _Readings(
+            self.event_us[rows],
+            self.seq[rows],
+            self.values[rows],
+            self.on_time[rows],
+            Judgements.none(len(rows), self.values.shape[1]),
+            complete_from_us,
+        )
         return picked.merged(None)
 
 
@@ -142,13 +152,13 @@ class DeviceHistory:
             mine = columns.readings(rows, starts[device])
             mine.newest_scored_us = int(mine.event_us[-1])
             known = self.devices[device].merged(mine)
-            # Features only look back: what silver held beyond the batch's newest reading plays no part.
-            context = known.between(starts[device], mine.newest_scored_us)
-            positions = _positions(context, mine.event_us, mine.seq)
-            first = int(positions.min())  # the batch's oldest reading: the context before it is context only
-            wanted = device_features(context.event_us, context.seq, context.values, context.on_time, spec, first)
-            features[rows] = wanted[positions - first]
-            self.devices[device] = known.between(self._horizon(known, spec))
+            # Features only look back: what silver held beyond the batch's newest reading plays no part, and
+            # the judgements computed here stay with the readings for the next batches.
+            wanted = _positions(known, mine.event_us, mine.seq)
+            features[rows] = device_features(
+                known.event_us, known.seq, known.values, known.on_time, spec, wanted, known.judgements
+            )
+            self.devices[device] = known.since(self._horizon(known, spec))
         for m, metric in enumerate(METRIC_NAMES):
             fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]
             batch = batch.append_column(f"f_{metric}", pa.StructArray.from_arrays(fields, names=list(FEATURE_COLUMNS)))

@@ -11,7 +11,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from iotmon.schema import METRIC_NAMES
-from ml.features import MIN_HISTORY, FeatureSpec, device_features, metric_rows, reading_features
+from ml.features import MIN_HISTORY, FeatureSpec, Judgements, device_features, metric_rows, reading_features
 from tests.readings import at, silver_frame, silver_row
 
 SPEC = FeatureSpec(history_s=20.0)
@@ -165,9 +165,10 @@ def test_a_device_with_no_on_time_reading_has_no_history_and_quiet_features(spar
     assert all({k: f[k] for k in quiet} == quiet for f in features.values())
 
 
-def test_the_features_from_a_reading_on_are_those_of_the_whole_computation() -> None:
-    """The scorer asks only for its batch's features (``first``): the suspicion and the jumps it then leaves
-    out must be those no wanted window reaches, for any first reading, bit for bit."""
+def test_the_features_of_some_readings_are_those_of_the_whole_computation() -> None:
+    """The scorer asks only for its batch's features (``wanted``), and passes what it judged in earlier batches:
+    the suspicion and the jumps it then leaves out, or takes as known, must be those no wanted window needs
+    anew, for any readings wanted, bit for bit; and what it judges must be what the whole computation does."""
     rng = np.random.default_rng(5)
     n = 400
     event_us = np.sort(rng.integers(0, 200_000_000, n))  # 200 s: ten buckets of SPEC's 20 s history
@@ -179,6 +180,28 @@ def test_the_features_from_a_reading_on_are_those_of_the_whole_computation() -> 
     some_late = rng.random(n) > 0.05  # late readings are context, never history
     silent_after = some_late & (event_us < 100_000_000)  # from 100 s on, only late readings arrive
     for on_time in (some_late, silent_after):
-        whole = device_features(event_us, seq, values, on_time, SPEC)
-        for first in [1, 37, 99, 150, 151, 200, 261, 350, 399, 400]:
-            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, first), whole[first:])
+        judged = Judgements.none(n, len(METRIC_NAMES))
+        whole = device_features(event_us, seq, values, on_time, SPEC, judgements=judged)
+        assert judged.judged[on_time].all() and judged.jumped[on_time].all()
+        for first in [1, 37, 99, 150, 151, 200, 261, 350, 399]:
+            wanted = np.arange(first, n)
+            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, wanted), whole[first:])
+            # As the scorer asks: the readings before the batch judged earlier, its own not yet.
+            kept = _judged_before(judged, first)
+            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, wanted, kept), whole[first:])
+            computed = kept.judged & on_time
+            assert np.array_equal(kept.suspect[computed], judged.suspect[computed])
+            assert np.array_equal(kept.jumps[kept.jumped], judged.jumps[kept.jumped], equal_nan=True)
+        # A batch with late readings: a few readings scattered among others that are context only.
+        for wanted in [np.array([37, 150, 151, 399]), np.sort(rng.choice(n, 40, replace=False)), np.array([260])]:
+            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, wanted), whole[wanted])
+            kept = _judged_before(judged, int(wanted[0]))
+            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, wanted, kept), whole[wanted])
+        assert device_features(event_us, seq, values, on_time, SPEC, np.arange(0)).shape == (0, len(METRIC_NAMES), 4)
+
+
+def _judged_before(judged: Judgements, first: int) -> Judgements:
+    """A copy of ``judged`` that knows only the readings before ``first``."""
+    kept = Judgements(judged.jumps.copy(), judged.suspect.copy(), judged.jumped.copy(), judged.judged.copy())
+    kept.jumps[first:], kept.suspect[first:], kept.jumped[first:], kept.judged[first:] = np.nan, False, False, False
+    return kept

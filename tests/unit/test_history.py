@@ -7,10 +7,11 @@ import datetime as dt
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from iotmon.schema import DEVICE_ID, EVENT_TIME, LATENESS, METRIC_NAMES, SEQ
-from ml.features import FeatureSpec, featured_table
+from ml.features import FeatureSpec, Judgements, device_features, featured_table
 from streaming.history import FEATURE_INPUTS, DeviceHistory
 
 SPEC = FeatureSpec(history_s=10.0, settle_s=1.0)
@@ -63,6 +64,19 @@ def _whole_archive(archive: pa.Table) -> dict[tuple[str, int], list[float]]:
     return expected
 
 
+def _whole_judgements(archive: pa.Table, device: str) -> tuple[np.ndarray, Judgements]:
+    """A device's event times over the whole archive, sorted, and every reading's jump and suspicion."""
+    mine = archive.filter(pc.equal(archive.column(DEVICE_ID), device))
+    event_us = mine.column(EVENT_TIME).cast(pa.int64()).to_numpy()
+    seq = mine.column(SEQ).to_numpy()
+    order = np.lexsort((seq, event_us))
+    values = np.column_stack([mine.column(m).to_numpy() for m in METRIC_NAMES])[order]
+    on_time = pc.equal(mine.column(LATENESS), "on_time").to_numpy(zero_copy_only=False)[order]
+    judgements = Judgements.none(len(order), len(METRIC_NAMES))
+    device_features(event_us[order], seq[order], values, on_time, SPEC, judgements=judgements)
+    return event_us[order], judgements
+
+
 @pytest.mark.parametrize("ahead", [False, True], ids=["silver-as-of-the-batch", "silver-ahead-of-the-batch"])
 def test_batch_by_batch_features_equal_those_over_the_whole_archive(ahead: bool) -> None:
     """Silver may hold readings the scorer has not had yet when it is read (a scorer catching up): they must
@@ -84,6 +98,14 @@ def test_batch_by_batch_features_equal_those_over_the_whole_archive(ahead: bool)
         scored |= _by_key(history.featured(archive.slice(start, batch_rows), SPEC, read_silver))
 
     assert scored == _whole_archive(archive)  # identical, not close
+    # Each reading's jump and suspicion, judged once and kept, are the whole computation's.
+    for device, kept in history.devices.items():
+        whole = _whole_judgements(archive, device)
+        at = np.searchsorted(whole[0], kept.event_us)
+        judged, jumped = kept.judgements.judged & kept.on_time, kept.judgements.jumped
+        assert judged.sum() > 100
+        assert np.array_equal(kept.judgements.suspect[judged], whole[1].suspect[at[judged]])
+        assert np.array_equal(kept.judgements.jumps[jumped], whole[1].jumps[at[jumped]], equal_nan=True)
     # Silver was read at the start, when dev-b first showed up in a batch of its own (at most), and for the
     # reading Kafka delivered far beyond the watermark: not for every batch.
     assert 1 <= len(reads) <= 3
