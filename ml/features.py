@@ -188,9 +188,11 @@ class Judgements:
     only for the readings it has not judged yet, where the archive's whole computation judges every reading."""
 
     jumps: np.ndarray
+    """Per reading and metric: its distance from the latest on-time reading of its window (nan where the window
+    holds none)."""
     suspect: np.ndarray
     jumped: np.ndarray
-    """Per reading: its jump is known (nan where its window holds no reading)."""
+    """Per reading: its jump is known."""
     judged: np.ndarray
     """Per reading: its suspicion is known."""
 
