@@ -24,8 +24,10 @@ Two queries:
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -34,9 +36,11 @@ from ingest.bronze import PayloadRules, parse_records, quarantine_rows
 from ingest.silver import (
     READING_KEY,
     LatenessRules,
+    accepted,
     classify_readings,
     classify_records,
     distinct_readings,
+    first_copies,
     rejected_rows,
     silver_rows,
 )
@@ -75,8 +79,11 @@ BRONZE_VERSION = "iotmon.bronzeVersion"
 late-arrivals query starting from a new checkpoint begins right after it."""
 FIRST_SEEN = "_first_seen"
 """Marks the rows of an ingest batch that are reading keys seen for the first time, not records."""
-_BEHIND = "behind_watermark"
-"""The ingest batch's readings behind its watermark that the state was not asked about."""
+_RECORDS = "records"
+_RECORD_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys([*BRONZE_SCHEMA.fieldNames(), *SILVER_SCHEMA.fieldNames()]))
+"""What the ingest writer collects of each record: bronze's row, and silver's for a reading."""
+_RECENT = "_recent"
+"""Marks the collected records that are readings the ingest query lands itself: accepted, not too late."""
 BatchWriter = Callable[[DataFrame, int], None]
 LOOKUP_ATTEMPTS = 5
 """How often a late-arrivals batch looks silver up again after an ingest commit conflicted with its append."""
@@ -142,8 +149,15 @@ def ingest_rows(records: DataFrame, devices: DataFrame, settings: Settings) -> D
 
 class IngestWriter:
     """The ingest query's ``foreachBatch``: every record into bronze, rejects into quarantine, the batch's new
-    readings into silver; each table skipped if it already holds the batch. What goes where is computed in
-    one Spark action over the held batch (``iotmon.lake.collected``), then committed table by table."""
+    readings into silver; each table skipped if it already holds the batch.
+
+    One Spark action over the held batch (``iotmon.lake.collected``) brings the driver the classified
+    records (bronze's columns and silver's, and whether each is a reading this query lands), the keys the
+    state saw first and the rejects. Silver's new readings are picked from them in Arrow: the readings whose
+    keys the state saw first, one copy each (``ingest.silver.first_copies``), a sort of the batch's rows on
+    the driver where Spark would shuffle and sort them in four stages of tasks (docs/cost-model.md, "Silver's
+    readings picked on the driver"). The readings behind the watermark the state was not asked about are
+    looked up in silver (``append_to_silver``)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -154,25 +168,33 @@ class IngestWriter:
         spark, table = batch.sparkSession, self.settings.table_path
         with held(batch) as rows:
             classified = rows.where(~F.col(FIRST_SEEN))
-            first_seen = rows.where(F.col(FIRST_SEEN)).select(*READING_KEY)
-            readings = silver_rows(classified).where(F.col(LATENESS) != TOO_LATE)
-            frames = {
-                BRONZE: classified.select(*BRONZE_SCHEMA.fieldNames()),
-                QUARANTINE: quarantine_rows(classified).unionByName(rejected_rows(classified)),
-                SILVER: distinct_readings(readings.join(first_seen, list(READING_KEY), "left_semi")),
-            }
-            watermark, behind = planned_watermark(spark, self.checkpoint, batch_id), None
-            if watermark is not None:
-                # Behind the watermark the state may not have been asked: silver answers for those.
-                behind = readings.where(F.col(EVENT_TIME) <= F.lit(watermark))
-                behind = behind.join(first_seen, list(READING_KEY), "left_anti")
-                frames[_BEHIND] = behind.select(*READING_KEY)
-            out = collected(frames)
-            append_once(out[BRONZE], table(BRONZE), self.ledger, batch_id, spark)
-            if out[QUARANTINE].num_rows:
-                append_once(out[QUARANTINE], table(QUARANTINE), self.ledger, batch_id, spark)
-            lookup = distinct_readings(behind) if behind is not None and out[_BEHIND].num_rows else None
-            append_to_silver(self.settings, self.ledger, batch_id, out[SILVER], lookup, spark)
+            recent = accepted() & (F.col(LATENESS) != TOO_LATE)
+            out = collected(
+                {
+                    _RECORDS: classified.select(*_RECORD_COLUMNS, recent.alias(_RECENT)),
+                    FIRST_SEEN: rows.where(F.col(FIRST_SEEN)).select(*READING_KEY),
+                    QUARANTINE: quarantine_rows(classified).unionByName(rejected_rows(classified)),
+                }
+            )
+        records, first_seen = out[_RECORDS], out[FIRST_SEEN]
+        readings = records.filter(records[_RECENT]).select(SILVER_SCHEMA.fieldNames())
+        append_once(records.select(BRONZE_SCHEMA.fieldNames()), table(BRONZE), self.ledger, batch_id, spark)
+        if out[QUARANTINE].num_rows:
+            append_once(out[QUARANTINE], table(QUARANTINE), self.ledger, batch_id, spark)
+        new = first_copies(readings.join(first_seen, list(READING_KEY), join_type="left semi"))
+        lookup = self._behind(readings, first_seen, batch_id, spark)
+        append_to_silver(self.settings, self.ledger, batch_id, new, lookup, spark)
+
+    def _behind(self, readings: pa.Table, first_seen: pa.Table, batch_id: int, spark: SparkSession) -> DataFrame | None:
+        """The batch's readings at or behind its watermark that the state did not see first, one copy each, for
+        silver to answer: the state may not have been asked about them (None when there are none)."""
+        watermark = planned_watermark(spark, self.checkpoint, batch_id)
+        if watermark is None:
+            return None
+        bound = pa.scalar(watermark.replace(tzinfo=UTC), readings.schema.field(EVENT_TIME).type)
+        behind = readings.filter(pc.less_equal(readings[EVENT_TIME], bound))
+        behind = first_copies(behind.join(first_seen, list(READING_KEY), join_type="left anti"))
+        return spark.createDataFrame(behind) if behind.num_rows else None
 
 
 def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:

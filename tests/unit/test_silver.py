@@ -10,6 +10,7 @@ from ingest.silver import (
     LatenessRules,
     classify_readings,
     distinct_readings,
+    first_copies,
     rejected_rows,
     silver_from_bronze,
     silver_rows,
@@ -89,6 +90,41 @@ def test_dedup_keeps_the_first_copy_to_reach_kafka(spark: SparkSession) -> None:
     distinct = distinct_readings(silver_rows(classify_readings(bronze, _devices(spark), RULES)))
     got = [(r.seq, r.offset, r.lateness) for r in distinct.orderBy("offset").collect()]
     assert got == [(1, 3, "on_time"), (2, 4, "on_time"), (2, 5, "on_time")]
+
+
+def test_first_copies_on_the_driver_are_the_distinct_readings(spark: SparkSession) -> None:
+    """The ingest writer's Arrow form of the rule picks the same copy of every reading as Spark's, ties of
+    Kafka time broken by partition, then offset."""
+    bronze = _bronze(
+        spark,
+        [
+            (0, 7, "dev-1", 1, 0, 3.0, HEALTHY, None),  # a retransmission, arriving later
+            (1, 2, "dev-1", 1, 0, 0.5, HEALTHY, None),  # the first copy
+            (0, 9, "dev-1", 2, 1, 0.5, HEALTHY, None),  # the same Kafka time: partition 0 first
+            (1, 1, "dev-1", 2, 1, 0.5, HEALTHY, None),
+            (2, 6, "dev-2", 2, 1, 0.5, HEALTHY, None),  # the same Kafka time and partition: offset 5 first
+            (2, 5, "dev-2", 2, 1, 0.5, HEALTHY, None),
+            (2, 8, "dev-2", 2, 61, 0.0, HEALTHY, None),  # same seq, other time: a counter reset, kept
+            (0, 3, "dev-2", 1, 0, 0.0, HEALTHY, None),  # the only copy
+        ],
+    )
+    readings = silver_rows(classify_readings(bronze, _devices(spark), RULES))
+    by_spark = [(r.device_id, r.seq, r.partition, r.offset) for r in distinct_readings(readings).collect()]
+    by_arrow = first_copies(readings.toArrow().take([7, 6, 5, 4, 3, 2, 1, 0]))
+    assert by_arrow.schema.names == readings.columns
+    got = list(zip(*(by_arrow[name].to_pylist() for name in ("device_id", "seq", "partition", "offset")), strict=True))
+    assert (
+        sorted(got)
+        == sorted(by_spark)
+        == [
+            ("dev-1", 1, 1, 2),
+            ("dev-1", 2, 0, 9),
+            ("dev-2", 1, 0, 3),
+            ("dev-2", 2, 2, 5),
+            ("dev-2", 2, 2, 8),
+        ]
+    )
+    assert first_copies(readings.limit(0).toArrow()).num_rows == 0
 
 
 def test_silver_from_bronze_is_the_composition(spark: SparkSession) -> None:
