@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from iotmon import broker
 from iotmon.config import Settings
+from iotmon.logs import say
 from iotmon.schema import ALERTS, ANOMALIES, BRONZE, INGEST, QUARANTINE, SILVER
 
 STREAM_KILL = "stream_kill"
@@ -281,8 +282,7 @@ class ChaosRun:
         return time.monotonic() - self.started
 
     def say(self, line: str) -> None:
-        with self.lock:
-            print(line, file=self.out, flush=True)
+        say(line, self.out)
 
     def fault(self, kind: str, detail: str, **facts: Any) -> Fault:
         found = Fault(kind, round(self.elapsed(), 1), detail, facts)
@@ -645,6 +645,6 @@ def run_chaos(settings: Settings, options: ChaosOptions, out: TextIO = sys.stdou
         chaos.cleanup()
     path = chaos.logs.with_suffix(".json")
     path.write_text(json.dumps(report.to_json(), indent=2, default=str))
-    print(report.render(), file=out, flush=True)
-    print(f"report: {path}", file=out, flush=True)
+    say(report.render(), out)
+    say(f"report: {path}", out)
     return report

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from iotmon.logs import say
 from iotmon.schema import ANOMALY_TYPES, DEVICE_TYPES, METRIC_NAMES
 from ml.features import SUSPECT_REPEATS
 from simulators.options import SimulationOptions
@@ -110,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     kind, off, share = anomalous_readings(args.devices, args.ticks, args.fraction, args.seed)
-    print(report(ceilings(kind, off, share, THRESHOLDS), share))
+    say(report(ceilings(kind, off, share, THRESHOLDS), share))
     return 0
 
 

@@ -17,6 +17,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from iotmon.config import Settings
+from iotmon.logs import say
 from iotmon.schema import DEVICE_ID, EVENT_TIME, LATE, LATENESS, METRIC_NAMES, ON_TIME, SEQ, SILVER_SCHEMA
 from ml.features import FeatureSpec, reading_features
 
@@ -80,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timed(frame)
         seconds = sorted(timed(frame) for _ in range(args.repeats))
         runs = ", ".join(f"{s:.2f}" for s in seconds)
-        print(f"{name:<55} median {seconds[len(seconds) // 2]:6.2f} s  (runs: {runs})", flush=True)
+        say(f"{name:<55} median {seconds[len(seconds) // 2]:6.2f} s  (runs: {runs})")
     return 0
 
 

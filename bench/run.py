@@ -45,6 +45,7 @@ from bench.throughput import (
 from bench.training import champion_model, training_cost
 from bench.writes import write_costs
 from iotmon.config import Settings
+from iotmon.logs import say
 from pipeline.demo import DemoOptions
 from simulators.options import SimulationOptions
 from simulators.publish import write_device_registry
@@ -105,7 +106,7 @@ class _Log:
         self.started = time.monotonic()
 
     def __call__(self, message: str) -> None:
-        print(f"[bench {time.monotonic() - self.started:7.1f}s] {message}", file=sys.stderr, flush=True)
+        say(f"[bench {time.monotonic() - self.started:7.1f}s] {message}", sys.stderr)
 
 
 def kafka_answers(settings: Settings) -> bool:
@@ -158,7 +159,7 @@ def _delete_topics(settings: Settings, topics: list[str]) -> None:
             try:
                 future.result(30)
             except Exception as exc:  # left behind on the user's broker; say so, don't fail the report
-                print(f"bench: could not delete a topic: {exc}", file=sys.stderr)
+                say(f"bench: could not delete a topic: {exc}", sys.stderr)
 
 
 def _phases(

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from iotmon.config import Settings, interval_seconds
+from iotmon.logs import say
 from iotmon.schema import ALERTS, DEVICE_SESSIONS, DEVICE_STATUS_CHANGES, FRESHNESS_COLUMNS, METRICS
 
 EVENT_DRIVEN: frozenset[str] = frozenset({DEVICE_STATUS_CHANGES, ALERTS, DEVICE_SESSIONS})
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m bench.viewer SAMPLES.jsonl (settings from IOTMON_*)", file=sys.stderr)
+        say("usage: python -m bench.viewer SAMPLES.jsonl (settings from IOTMON_*)", sys.stderr)
         return 2
     settings = Settings.from_env()
     logs.setup(settings, "viewer")
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     refreshes = view(settings, Path(args[0]), stop)
-    print(f"viewer: {refreshes} refreshes, stopped at {datetime.now(UTC):%H:%M:%S}", file=sys.stderr, flush=True)
+    say(f"viewer: {refreshes} refreshes, stopped at {datetime.now(UTC):%H:%M:%S}", sys.stderr)
     return 0
 
 

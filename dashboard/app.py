@@ -27,6 +27,7 @@ from dashboard import shaping
 from dashboard.lake import LakeReader, is_true
 from dashboard.models import read_model_history
 from iotmon.config import Settings, interval_seconds
+from iotmon.logs import say
 from iotmon.schema import (
     ALERTS,
     ANOMALIES,
@@ -588,11 +589,10 @@ def serve(settings: Settings, out: TextIO = sys.stdout) -> None:
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per refresh of every open page
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     host = f"[{settings.dashboard_host}]" if ":" in settings.dashboard_host else settings.dashboard_host
-    print(
+    say(
         f"dashboard: http://{host}:{settings.dashboard_port}/ (lake {settings.lake_root}, "
         f"refresh every {settings.dashboard_refresh}); Ctrl-C stops",
-        file=out,
-        flush=True,
+        out,
     )
     # Its WSGI app served as a production server would, rather than through ``app.run``: no development
     # banners on the console, and the requests' log lines go where ``iotmon.logs`` sends them.

@@ -26,6 +26,7 @@ from typing import TextIO
 from iotmon import local_fs
 from iotmon.config import Settings
 from iotmon.jars import java_home, pyspark_jars_dir
+from iotmon.logs import say
 
 ARCHIVE_OPTIONS = ("-XX:SharedArchiveFile", "-XX:ArchiveClassesAtExit", "-Xshare")
 """Flags an operator may set in ``IOTMON_SPARK_DRIVER_JAVA_OPTIONS`` to manage class sharing themselves."""
@@ -68,7 +69,7 @@ def build(settings: Settings, out: TextIO = sys.stderr) -> tuple[Path, float] | 
         return None
     if path.exists():
         return path, 0.0
-    print("JVM class archive: building it, once (about a minute)", file=out, flush=True)
+    say("JVM class archive: building it, once (about a minute)", out)
     path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="class-archive-", dir=path.parent) as scratch:
@@ -108,14 +109,14 @@ def set_up(settings: Settings, out: TextIO = sys.stdout) -> None:
     try:
         built = build(settings, out)
     except ClassArchiveError as exc:
-        print(f"JVM class archive: not built, Spark starts without it (only slower): {exc}", file=sys.stderr)
+        say(f"JVM class archive: not built, Spark starts without it (only slower): {exc}", sys.stderr)
         return
     if built is None:
-        print("JVM class archive: skipped, no JDK found (JAVA_HOME or java on the PATH)", file=sys.stderr)
+        say("JVM class archive: skipped, no JDK found (JAVA_HOME or java on the PATH)", sys.stderr)
         return
     path, seconds = built
     took = f", built in {seconds:.0f}s" if seconds else ""
-    print(f"JVM class archive: {path} ({path.stat().st_size / 2**20:,.0f} MB{took})", file=out, flush=True)
+    say(f"JVM class archive: {path} ({path.stat().st_size / 2**20:,.0f} MB{took})", out)
 
 
 def _workload(scratch: Path) -> None:

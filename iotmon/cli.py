@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from iotmon.config import ConfigError, Settings, describe_settings, interval_seconds
+from iotmon.logs import say
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -52,13 +53,13 @@ def cmd_kafka(settings: Settings, args: argparse.Namespace) -> int:
     if args.action == "start":
         started = time.monotonic()
         status = broker.start(settings)
-        print(status.report())
-        print(f"  ready after {time.monotonic() - started:.1f}s")
+        say(status.report())
+        say(f"  ready after {time.monotonic() - started:.1f}s")
     elif args.action == "stop":
-        print("kafka broker stopped" if broker.stop(settings) else "kafka broker was not running")
+        say("kafka broker stopped" if broker.stop(settings) else "kafka broker was not running")
     else:
         status = broker.status(settings)
-        print(status.report())
+        say(status.report())
         return 0 if status.running else 3
     return 0
 
@@ -101,7 +102,7 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace) -> int:
     options = _simulation_options(args)
     require_writable(settings, "lake", "home")  # the device registry, the ground-truth file
     summary = run_simulation(settings, options)
-    print(summary.report())
+    say(summary.report())
     return 0 if summary.failed == 0 else EXIT_MISMATCH
 
 
@@ -133,7 +134,7 @@ def cmd_replay(settings: Settings, args: argparse.Namespace) -> int:
         summary = run_replay(settings, options)
     except ReplayError as exc:
         raise CommandError(f"{exc} (see `iotmon replay --help`)") from None
-    print(summary.report())
+    say(summary.report())
     return 0 if summary.failed == 0 and summary.unconfirmed == 0 else EXIT_MISMATCH
 
 
@@ -217,17 +218,15 @@ def cmd_verify(settings: Settings, args: argparse.Namespace) -> int:
 
 def _reported(check: LakeCheck) -> int:
     """Print a lake's reconciliation; the exit code it calls for."""
-    print(check.archive.report())
+    say(check.archive.report())
     if check.analytics is not None:
-        print(check.analytics.report())
+        say(check.analytics.report())
     return 0 if not check.problems else EXIT_MISMATCH
 
 
 def reconciliation_progress(what: str) -> None:
-    """A reconciliation's progress line. The comparisons run at once on threads, so each line is one write:
-    ``print`` writes the text and the newline apart, and two threads' lines ran together on the console."""
-    sys.stderr.write(f"verify: checking {what}\n")
-    sys.stderr.flush()
+    """A reconciliation's progress line (its comparisons run at once, on threads)."""
+    say(f"verify: checking {what}", sys.stderr)
 
 
 def _truth_files(settings: Settings, given: Sequence[Path], all_truth: bool) -> list[Path]:
@@ -258,7 +257,7 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
     require_writable(settings, "lake", "checkpoints")
     spark = spark_session(settings, "iotmon-backfill")
     ensure_tables(spark, settings)
-    print(backfill(spark, settings).report())
+    say(backfill(spark, settings).report())
     return 0
 
 
@@ -290,7 +289,7 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     )
     if args.every is None:
         try:
-            print(train(spark_session(settings, "iotmon-train"), settings, options).report())
+            say(train(spark_session(settings, "iotmon-train"), settings, options).report())
         except TrainingError as exc:
             raise CommandError(str(exc)) from None
         return 0
@@ -340,20 +339,20 @@ def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
         try:
             run_sql(spark, settings, statement).show(args.limit, truncate=False)
         except PySparkException as exc:
-            print(f"error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+            say(f"error: {str(exc).strip().splitlines()[0]}", sys.stderr)
             return False
         return True
 
     if args.statement:
         return 0 if show(args.statement) else EXIT_ERROR
     tables = ", ".join(register_tables(spark, settings)) or "(none yet)"
-    print(f"tables: {tables}; end a statement with ';', quit with Ctrl-D")
+    say(f"tables: {tables}; end a statement with ';', quit with Ctrl-D")
     buffer: list[str] = []
     while True:
         try:
             line = input("...> " if buffer else "sql> ")
         except EOFError:
-            print()
+            say("")
             return 0
         buffer.append(line)
         if line.rstrip().endswith(";"):
@@ -371,8 +370,8 @@ def cmd_latency(settings: Settings, args: argparse.Namespace) -> int:
 
     since = args.since or datetime.now(UTC).replace(tzinfo=None) - timedelta(seconds=args.last)
     spark = spark_session(settings, "iotmon-latency")
-    print(f"event -> readable in Delta, on-time readings with events since {since:%Y-%m-%d %H:%M:%S}Z")
-    print(render(measure(spark, settings, since)))
+    say(f"event -> readable in Delta, on-time readings with events since {since:%Y-%m-%d %H:%M:%S}Z")
+    say(render(measure(spark, settings, since)))
     return 0
 
 
@@ -419,8 +418,8 @@ def cmd_bench(settings: Settings, args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(f"{exc} (see `iotmon bench --help`)") from None
     report, out = run_bench(settings, options)
-    print(render(report))
-    print(f"report: {out / 'report.json'}\nplot:   {out / 'report.png'}")
+    say(render(report))
+    say(f"report: {out / 'report.json'}\nplot:   {out / 'report.png'}")
     return 0
 
 
@@ -456,7 +455,7 @@ def cmd_mlflow(settings: Settings, args: argparse.Namespace) -> int:
         raise CommandError(f"the tracking server {settings.tracking_uri} serves its own UI; open it there")
     registry.experiment_id(settings)  # a fresh local store gets its schema and experiment before the UI reads it
     host, port = args.host or settings.mlflow_ui_host, args.port or settings.mlflow_ui_port
-    print(f"mlflow ui: http://{host}:{port}/ (store {settings.tracking_uri}); Ctrl-C stops", flush=True)
+    say(f"mlflow ui: http://{host}:{port}/ (store {settings.tracking_uri}); Ctrl-C stops")
     ui = ["mlflow", "ui", "--backend-store-uri", settings.tracking_uri, "--host", host, "--port", str(port)]
     # MLflow 3's server otherwise starts a job runner and a pool of huey consumers (GenAI scoring, trace
     # archival): eight more Python processes the project never uses, on a machine the stream needs.
@@ -479,7 +478,7 @@ def cmd_setup(settings: Settings, args: argparse.Namespace) -> int:
 
     for bundle in (kafka_broker_bundle(), spark_extras_bundle()):
         jars = resolve(settings, bundle)
-        print(f"{bundle.name}: {len(jars)} jars in {bundle_dir(settings, bundle)}")
+        say(f"{bundle.name}: {len(jars)} jars in {bundle_dir(settings, bundle)}")
     local_fs.set_up(settings)  # before the archive: its jar is on the class path the archive is built for
     class_archive.set_up(settings)
     return 0
@@ -487,7 +486,7 @@ def cmd_setup(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
     for variable, default, meaning in describe_settings():
-        print(f"{variable:<32} {default or '-':<24} {meaning}")
+        say(f"{variable:<32} {default or '-':<24} {meaning}")
     return 0
 
 
@@ -509,7 +508,7 @@ def cmd_reset(settings: Settings, args: argparse.Namespace) -> int:
             raise CommandError(f"refusing to delete remote storage {target}; remove it with your storage tools")
         if target.exists():
             shutil.rmtree(target)
-            print(f"removed {target}")
+            say(f"removed {target}")
     return 0
 
 
@@ -909,7 +908,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:  # Ctrl-C, or a supervisor's SIGINT, while the parser imports the stages
-        print("iotmon: interrupted", file=sys.stderr)
+        say("iotmon: interrupted", sys.stderr)
         return 130
     if args.verbose and not os.environ.get("IOTMON_LOG_LEVEL"):
         os.environ["IOTMON_LOG_LEVEL"] = "INFO"  # for this process and every process it starts
@@ -921,10 +920,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(settings, args)
     except _known_errors() as exc:
         message = str(exc) if settings is None else settings.redact(str(exc))
-        print(f"iotmon {args.command}: error: {message}", file=sys.stderr)
+        say(f"iotmon {args.command}: error: {message}", sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print(f"iotmon {args.command}: interrupted", file=sys.stderr)
+        say(f"iotmon {args.command}: interrupted", sys.stderr)
         return 130
     except Exception as exc:  # a bug or an unforeseen failure: one line here, the traceback in the log
         from iotmon.queries import explain
@@ -933,7 +932,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = explain(exc).splitlines()[0]
         message = settings.redact(message) if settings is not None else message
         where = f"; details in {log}" if log is not None and not logs.on_console(settings) else ""
-        print(f"iotmon {args.command}: unexpected error: {message}{where}", file=sys.stderr)
+        say(f"iotmon {args.command}: unexpected error: {message}{where}", sys.stderr)
         return EXIT_ERROR
 
 

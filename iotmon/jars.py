@@ -20,6 +20,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from iotmon.config import Settings
+from iotmon.logs import say
 
 KAFKA_VERSION = "4.2.1"
 SPARK_VERSION = "4.2.0"
@@ -139,7 +140,7 @@ def resolve(settings: Settings, bundle: Bundle) -> list[Path]:
             f"Maven (`mvn`) is needed once to download the {bundle.name} jars from Maven Central. "
             "Install it (e.g. `apt-get install maven`) and run the command again."
         )
-    print(f"Resolving {bundle.name} jars from Maven Central (first run only) ...", file=sys.stderr, flush=True)
+    say(f"Resolving {bundle.name} jars from Maven Central (first run only) ...", sys.stderr)
     settings.cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f"{bundle.name}-", dir=settings.cache))
     try:

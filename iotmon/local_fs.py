@@ -24,6 +24,7 @@ from typing import TextIO
 
 from iotmon.config import Settings
 from iotmon.jars import java_home, pyspark_jars_dir
+from iotmon.logs import say
 
 SOURCES = Path(__file__).parent / "java"
 FILE_SYSTEM = "iotmon.hadoop.LocalFileSystemWithoutProcesses"
@@ -113,15 +114,15 @@ def set_up(settings: Settings, out: TextIO | None = None) -> None:
     try:
         built = build(settings)
     except LocalFileSystemError as exc:
-        print(f"local file system: not built, Spark uses Hadoop's (only slower): {exc}", file=sys.stderr)
+        say(f"local file system: not built, Spark uses Hadoop's (only slower): {exc}", sys.stderr)
         return
     if built is None:
-        print(
+        say(
             "local file system: skipped, this Java has no compiler (javac); Spark uses Hadoop's (only slower). "
             "A JDK instead of a JRE builds it at the next `iotmon setup`",
-            file=sys.stderr,
+            sys.stderr,
         )
         return
     path, seconds = built
     took = f", built in {seconds:.1f}s" if seconds else ""
-    print(f"local file system: {path} (Hadoop's, without child processes{took})", file=out or sys.stdout, flush=True)
+    say(f"local file system: {path} (Hadoop's, without child processes{took})", out or sys.stdout)

@@ -1,6 +1,8 @@
 """One logging setup: the console carries the project's own lines, the libraries' go to ``$IOTMON_HOME/logs``.
 
-The project speaks to its user with plain lines on stdout and stderr (addresses, progress, reports). Spark's
+The project speaks to its user with plain lines on stdout and stderr (addresses, progress, reports), each
+through ``say``: several threads speak at once (the supervisor's drain, the demo's wind-down, the
+reconciliation's comparisons), and a line must reach the console whole. Spark's
 JVM, its Python workers, py4j, the Kafka client, MLflow, Flask and uvicorn all log too, and on a console
 their lines bury the project's. Each command therefore writes them to a file of its own,
 ``$IOTMON_HOME/logs/<command>.log``:
@@ -19,9 +21,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from iotmon.config import Settings
 
@@ -35,6 +39,17 @@ SPARK_WARNINGS_OF_INTENDED_BEHAVIOUR = (
 _LOG4J_LEVELS = {"DEBUG": "debug", "INFO": "info", "WARNING": "warn", "ERROR": "error"}
 _process_log = "iotmon"
 """The name of this process's log file, as ``setup`` chose it (the command's)."""
+_console = threading.Lock()
+
+
+def say(text: str, out: TextIO | None = None) -> None:
+    """``text`` as a console line on ``out`` (stdout unless given), whole: its text and newline in one write,
+    one thread's line after another's, flushed at once. ``print`` writes the text and the newline apart, and two
+    threads' lines ran together."""
+    stream = sys.stdout if out is None else out
+    with _console:
+        stream.write(f"{text}\n")
+        stream.flush()
 
 
 def log_dir(settings: Settings) -> Path:

@@ -46,6 +46,7 @@ from pyspark.sql.streaming.listener import (
 
 from iotmon.config import Settings
 from iotmon.lake import append_once, ledger_for
+from iotmon.logs import say
 from iotmon.queries import JsonEventListener, explain
 from iotmon.schema import QUERY_PROGRESS, QUERY_PROGRESS_SCHEMA
 
@@ -260,7 +261,7 @@ def _reported(method: Callable[P, None]) -> Callable[P, None]:
         try:
             method(*args, **kwargs)
         except Exception as exc:
-            print(f"iotmon ops: {method.__name__} failed: {exc!r}", file=sys.stderr, flush=True)
+            say(f"iotmon ops: {method.__name__} failed: {exc!r}", sys.stderr)
 
     return wrapper
 
@@ -357,7 +358,7 @@ class ProgressRecorder(JsonEventListener):
         self._flusher.start()
 
     def _report(self, message: str) -> None:
-        print(f"iotmon ops: {message}", file=self._out or sys.stderr, flush=True)
+        say(f"iotmon ops: {message}", self._out or sys.stderr)
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(self._flush_every):

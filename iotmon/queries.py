@@ -31,6 +31,7 @@ from pyspark.sql.streaming.listener import (
 )
 
 from iotmon.config import Settings
+from iotmon.logs import say
 
 Trigger = dict[str, Any]
 """Keyword arguments of ``DataStreamWriter.trigger``: ``{"availableNow": True}``, ``{"processingTime": ...}``."""
@@ -95,11 +96,7 @@ def start_query(
     from iotmon.lake import remove_unfinished_first_batch
 
     if removed := remove_unfinished_first_batch(spark, settings.checkpoint_path(spec.name)):
-        print(
-            f"{spec.name}: removed {', '.join(removed)}: the first batch's offsets, unfinished when a crash hit",
-            file=out,
-            flush=True,
-        )
+        say(f"{spec.name}: removed {', '.join(removed)}: the first batch's offsets, unfinished when a crash hit", out)
     context = spark.sparkContext
     context.setLocalProperty(SCHEDULER_POOL, spec.name)
     try:
@@ -319,7 +316,7 @@ class ProgressReport:
 
     def show(self, runs: Mapping[str, str], source_reads: Mapping[str, int], out: TextIO) -> None:
         for line in self.lines(runs, source_reads):
-            print(line, file=out, flush=True)
+            say(line, out)
 
 
 def await_batches(
@@ -393,7 +390,7 @@ def _drain_one(
     """Run one query with the available-now trigger until it ends; the rows it read, None if it cannot run."""
     waiting = spec.waiting_for(spark, settings)
     if waiting is not None:
-        print(f"{spec.name:<12} skipped: {waiting}", file=out, flush=True)
+        say(f"{spec.name:<12} skipped: {waiting}", out)
         return None
     started = time.monotonic()
     query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
@@ -403,7 +400,7 @@ def _drain_one(
     except StreamingQueryException as exc:
         raise QueryFailed(f"query {spec.name} failed: {settings.redact(explain(exc))}") from exc
     rows = sum(p["numInputRows"] for p in batches) // spec.source_reads
-    print(f"{spec.name:<12} drained {rows:,} rows in {time.monotonic() - started:.1f}s", file=out, flush=True)
+    say(f"{spec.name:<12} drained {rows:,} rows in {time.monotonic() - started:.1f}s", out)
     return rows
 
 
@@ -478,7 +475,7 @@ def run_continuously(
             launch(spec, trigger(spec))
             return
         if spec.name not in waiting:
-            print(f"{spec.name}: {ended + '; ' if ended else ''}waiting: {reason}", file=out, flush=True)
+            say(f"{spec.name}: {ended + '; ' if ended else ''}waiting: {reason}", out)
         waiting[spec.name] = time.monotonic() + READY_POLL_SECONDS
 
     def leads_done() -> bool:
@@ -499,7 +496,7 @@ def run_continuously(
         if hold is not None:
             if (reason := hold()) is not None:
                 if reason != held:
-                    print(f"the other queries wait: {reason}", file=out, flush=True)
+                    say(f"the other queries wait: {reason}", out)
                     held = reason
                 return False
             for name in [name for name in lead if name in waiting]:
@@ -507,7 +504,7 @@ def run_continuously(
         return leads_done()
 
     def start_following(why: str) -> None:
-        print(f"starting the other queries: {why}", file=out, flush=True)
+        say(f"starting the other queries: {why}", out)
         for spec in following.values():
             start_when_ready(spec)
         following.clear()
@@ -530,14 +527,10 @@ def run_continuously(
         if unread is None:
             return True
         draining.set()
-        print("draining: the queries run on until each has read all its source holds", file=out, flush=True)
+        say("draining: the queries run on until each has read all its source holds", out)
         slower.update(name for name in queries if budget(specs_by_name[name]) != every)
         if slower:
-            print(
-                f"draining: {', '.join(sorted(slower))} move to the default trigger ({settings.trigger_interval})",
-                file=out,
-                flush=True,
-            )
+            say(f"draining: {', '.join(sorted(slower))} move to the default trigger ({settings.trigger_interval})", out)
         if following:
             start_following("a stop drains every query")
         return False
@@ -568,7 +561,7 @@ def run_continuously(
         next_check = time.monotonic() + DRAIN_CHECK_SECONDS  # each check asks Kafka and reads Delta logs
         behind = unread()  # a query waiting to be ready (or parked) is not running: it is not in the answer
         if behind and time.monotonic() >= next_report:
-            print(f"draining: {', '.join(behind)} still reading", file=out, flush=True)
+            say(f"draining: {', '.join(behind)} still reading", out)
         pending = {*behind, *parked}
         if due := [spec for spec in specs if spec.name in parked and pending.isdisjoint(upstream_of(spec.name))]:
             for spec in due:
@@ -622,7 +615,7 @@ def run_continuously(
                             "Fix the cause and run `iotmon stream` again: it resumes from its checkpoint."
                         )
                     backoff = min(30.0, 2.0 ** failures[spec.name])
-                    print(f"{spec.name}: query ended ({reason}); restarting in {backoff:.0f}s", file=out, flush=True)
+                    say(f"{spec.name}: query ended ({reason}); restarting in {backoff:.0f}s", out)
                     if pause(backoff):
                         break
                     slower.discard(spec.name)  # restarted on the trigger of the moment
@@ -634,4 +627,4 @@ def run_continuously(
             for query in queries.values():
                 if query.isActive:
                     query.stop()
-            print("stopped all queries", file=out, flush=True)
+            say("stopped all queries", out)

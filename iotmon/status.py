@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from iotmon.config import Settings
+from iotmon.logs import say
 from iotmon.ops import SUMMARY_FIELDS, process_start_ticks, read_run_file, run_file_path
 from iotmon.schema import LAKE_TABLES, QUERY_PROGRESS, as_utc
 
@@ -277,7 +278,7 @@ def collect(settings: Settings) -> Status:
             status.queries = queries_from_table(settings.table_path(QUERY_PROGRESS))
         except Exception as exc:  # the table counts below will say more about an unreadable table
             status.queries = []
-            print(f"iotmon status: could not read {QUERY_PROGRESS}: {exc}", file=sys.stderr, flush=True)
+            say(f"iotmon status: could not read {QUERY_PROGRESS}: {exc}", sys.stderr)
         status.queries_from = FROM_TABLE if status.queries else None
         # The table has no exceptions; after a crash the run file still knows the last one of each query.
         known = {query.name: query for query in queries_from_run_file(document or {})}
@@ -381,5 +382,5 @@ def render(status: Status) -> str:
 def report(settings: Settings, as_json: bool, out: TextIO) -> int:
     """Print the status (text or JSON); 0 if the stream runs, 3 if not (like ``iotmon kafka status``)."""
     status = collect(settings)
-    print(json.dumps(status.to_dict(), indent=2) if as_json else render(status), file=out, flush=True)
+    say(json.dumps(status.to_dict(), indent=2) if as_json else render(status), out)
     return 0 if status.running else EXIT_NOT_RUNNING

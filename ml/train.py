@@ -23,6 +23,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from iotmon.config import Settings
+from iotmon.logs import say
 from iotmon.schema import DEVICE_ID, EVENT_TIME, SILVER
 from ml import registry
 from ml.evaluation import detection_metrics, label_scores, truth_labels
@@ -203,7 +204,7 @@ class _Steps:
     def __call__(self, name: str, message: str) -> None:
         self.go_on()
         self.finish()
-        print(f"{STEP_PREFIX}{message}", file=self.out, flush=True)
+        say(f"{STEP_PREFIX}{message}", self.out)
         self.current, self.started = name, time.monotonic()
 
     def finish(self) -> None:
@@ -482,23 +483,19 @@ class PeriodicTrainer:
                 # The next run starts a full interval after this one ended: on a busy machine a run can outlast
                 # the interval, and back-to-back runs would hold the cores the stream needs.
                 started, trained_on = time.monotonic(), report.silver_version
-                print(report.report(), file=self.out, flush=True)
+                say(report.report(), self.out)
                 if registry.champion(self.settings) is not None:
                     self.on_champion()
             except TrainingError as exc:  # not enough data, or nothing new, yet: look again soon
                 wait = min(self.every_s, RETRY_SECONDS)
                 if time.monotonic() - last_wait_line >= WAIT_LINE_SECONDS:
-                    print(f"iotmon train: {exc}; looking again every {wait:g}s", file=self.err, flush=True)
+                    say(f"iotmon train: {exc}; looking again every {wait:g}s", self.err)
                     last_wait_line = time.monotonic()
             except Exception as exc:  # keep retraining; the champion stays whatever it was
                 if stop.is_set():
-                    print(
-                        "iotmon train: stopped; the run in progress was abandoned, champion unchanged",
-                        file=self.out,
-                        flush=True,
-                    )
+                    say("iotmon train: stopped; the run in progress was abandoned, champion unchanged", self.out)
                     return
-                print(f"iotmon train: run failed, champion unchanged: {exc}", file=self.err, flush=True)
+                say(f"iotmon train: run failed, champion unchanged: {exc}", self.err)
             if attempted:
                 self.ran.set()
                 self._look.clear()  # a look asked for during the run was the run: the next waits its interval

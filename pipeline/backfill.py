@@ -39,6 +39,7 @@ from ingest.silver import (
     silver_rows,
 )
 from iotmon.config import Settings, interval_seconds
+from iotmon.logs import say
 from iotmon.schema import (
     ALERTS,
     ANOMALIES,
@@ -109,7 +110,7 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
     result = BackfillResult(bronze_version, None)
 
     def step(name: str) -> None:
-        print(f"backfill: {name} ({time.monotonic() - started:.0f}s)", file=out, flush=True)
+        say(f"backfill: {name} ({time.monotonic() - started:.0f}s)", out)
 
     step(f"silver from bronze version {bronze_version}")
     classified = classify_readings(bronze, devices, LatenessRules.from_settings(settings)).localCheckpoint()

@@ -33,6 +33,7 @@ from typing import Any, TextIO
 from pyspark.sql.streaming.listener import QueryIdleEvent, QueryProgressEvent, QueryStartedEvent, QueryTerminatedEvent
 
 from iotmon.config import Settings, interval_seconds
+from iotmon.logs import say
 from iotmon.ops import source_offsets
 from iotmon.queries import JsonEventListener, explain
 from iotmon.schema import ANOMALIES, EVENT_TIME, INGEST, SILVER, STREAM_CLOCK, as_utc
@@ -197,10 +198,9 @@ class EventClock(threading.Thread):
         try:
             self.newest_event = resumed_event_time(self.settings)  # not listening yet: no report has come
         except Exception as exc:  # an unreadable log must not stop the stream: the clock waits for a reading
-            print(
+            say(
                 f"event clock: cannot tell where event time stood ({explain(exc)}); it moves on with the next reading",
-                file=self.out,
-                flush=True,
+                self.out,
             )
         self.spark.streams.addListener(self.listener)
         super().start()
@@ -211,7 +211,7 @@ class EventClock(threading.Thread):
                 try:
                     self.tick_if_idle()
                 except Exception as exc:  # a missed tick only delays finalisation; the next one catches up
-                    print(f"event clock: tick failed ({explain(exc)}); retrying", file=self.out, flush=True)
+                    say(f"event clock: tick failed ({explain(exc)}); retrying", self.out)
         finally:
             self.spark.streams.removeListener(self.listener)
 

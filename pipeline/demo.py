@@ -23,6 +23,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from iotmon.config import Settings
+from iotmon.logs import say
 
 if TYPE_CHECKING:
     from pipeline.verify import LakeCheck
@@ -64,7 +65,7 @@ class ChildProcesses:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-                print(f"{name}: killed after {CHILD_STOP_SECONDS:g}s without stopping", file=sys.stderr, flush=True)
+                say(f"{name}: killed after {CHILD_STOP_SECONDS:g}s without stopping", sys.stderr)
 
     def stop_all(self) -> None:
         self.stop(*(name for name, *_ in self.started))
@@ -86,7 +87,7 @@ def run_demo(
     from pipeline.verify import reconcile_lake
 
     broker_was_running = broker.status(settings).running
-    print(broker.start(settings).report(), flush=True)
+    say(broker.start(settings).report())
     children = ChildProcesses()
     try:
         truth = settings.truth_dir / f"demo-{datetime.now():%Y%m%d-%H%M%S}.parquet"
@@ -97,22 +98,17 @@ def run_demo(
             "simulator", ["simulate", "--quiet", "--truth", str(truth), *fleet, *duration], signal.SIGINT
         )
         history = f", after their last {past:g}s of readings at once" if past else ""
-        print(
+        say(
             f"simulator: {options.devices} devices at {options.rate:g} events/s{history} (pid {simulator.pid}); "
-            f"truth -> {truth}",
-            flush=True,
+            f"truth -> {truth}"
         )
-        print(
+        say(
             f"trainer: retrains every {options.retrain_every_s:g} s in the stream's Spark session, once silver has "
-            "enough history",
-            flush=True,
+            "enough history"
         )
         for name in ("dashboard", "mlflow"):
             children.start(name, [name], signal.SIGTERM)
-        print(
-            "dashboard, MLflow UI: their addresses follow; the first anomalies appear once the first model is trained",
-            flush=True,
-        )
+        say("dashboard, MLflow UI: their addresses follow; the first anomalies appear once the first model is trained")
         if options.duration_s:
             timer = threading.Timer(options.duration_s, stop.set)
             timer.daemon = True
@@ -125,9 +121,9 @@ def run_demo(
             stop.wait()
             children.stop("simulator")
             drain.set()
-            print("stopped the fleet; the trainer stops, the stream drains, then the lake is reconciled", flush=True)
+            say("stopped the fleet; the trainer stops, the stream drains, then the lake is reconciled")
             children.stop("dashboard", "mlflow")
-            print("stopped the dashboard and the MLflow UI", flush=True)
+            say("stopped the dashboard and the MLflow UI")
 
         threading.Thread(target=wind_down, name="iotmon-demo-wind-down", daemon=True).start()
         run_stream(settings, drain, drain_on_stop=True, train_every_s=options.retrain_every_s)
@@ -137,4 +133,4 @@ def run_demo(
         children.stop_all()
         if not broker_was_running:
             broker.stop(settings)
-            print("stopped the kafka broker the demo started", flush=True)
+            say("stopped the kafka broker the demo started")

@@ -7,6 +7,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from iotmon.config import ConfigError, Settings
+from iotmon.logs import say
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -69,11 +70,10 @@ def run_stream(
         if stop is None:
             drain_until_idle(spark, settings)
             return
-        print(
+        say(
             f"streaming {settings.topic} -> {settings.lake_root} ({triggers_line(settings)}); "
             "Ctrl-C or SIGTERM stops cleanly",
-            file=sys.stderr,
-            flush=True,
+            sys.stderr,
         )
         lead, hold = lead_queries(), None
         if train_every_s:

@@ -32,6 +32,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings, interval_seconds
 from iotmon.lake import BatchLedger, append_once, create_table, read_text, write_text
+from iotmon.logs import say
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, LATENESS, SEQ, SILVER
 from ml import registry
@@ -138,7 +139,7 @@ MODELS = ModelCache()
 
 
 def _warn(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    say(message, sys.stderr)
 
 
 def serving_model(

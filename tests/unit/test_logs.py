@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,3 +95,29 @@ def test_a_process_started_inside_output_to_log_writes_to_the_file_and_the_conso
     captured = capfd.readouterr()
     assert "project line" in captured.out
     assert "jvm" not in captured.out + captured.err
+
+
+def test_a_console_line_is_one_write_whatever_thread_says_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """Threads speak at once (the drain, the demo's wind-down, the reconciliation): a line written in two
+    parts, as ``print`` writes a text and its newline, can have another thread's line between them."""
+    writes: list[str] = []
+
+    class Console:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    speakers = [
+        threading.Thread(target=lambda n=n: [logs.say(f"thread {n} line {i}", Console()) for i in range(200)])
+        for n in range(4)
+    ]
+    for speaker in speakers:
+        speaker.start()
+    for speaker in speakers:
+        speaker.join()
+    assert sorted(writes) == sorted(f"thread {n} line {i}\n" for n in range(4) for i in range(200))
+    logs.say("to the console")  # stdout as it is when said: the test's capture here
+    assert capsys.readouterr().out == "to the console\n"
