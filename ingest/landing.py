@@ -155,9 +155,9 @@ class IngestWriter:
     records (bronze's columns and silver's, and whether each is a reading this query lands), the keys the
     state saw first and the rejects. Silver's new readings are picked from them in Arrow: the readings whose
     keys the state saw first, one copy each (``ingest.silver.first_copies``), a sort of the batch's rows on
-    the driver where Spark would shuffle and sort them in four stages of tasks (docs/cost-model.md, "Silver's
-    readings picked on the driver"). The readings behind the watermark the state was not asked about are
-    looked up in silver (``append_to_silver``)."""
+    the driver where Spark would shuffle and sort them in stages of tasks of their own (docs/cost-model.md,
+    "Silver's readings picked on the driver"). The readings behind the watermark the state was not asked
+    about are looked up in silver (``append_to_silver``)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
