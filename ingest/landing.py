@@ -17,8 +17,9 @@ Two queries:
   between the branches of a union), which costs a second parse of each record; a chain of two queries
   through bronze costs a second micro-batch with its fixed costs and a Delta hop (docs/cost-model.md).
 * **late_arrivals** lands the readings Kafka delivered later than the watermark (``too_late``), which no
-  state remembers: silver itself is looked up for them, a slow trigger's worth at a time (a lookup costs a
-  Delta snapshot, shared by all the batch's late readings).
+  state remembers: silver itself is looked up for them, a slow trigger's worth at a time, on the driver
+  (``iotmon.lake.absent``: only the silver files whose statistics do not rule the readings out, only their key
+  columns).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from ingest.silver import (
     accepted,
     classify_readings,
     classify_records,
-    distinct_readings,
     first_copies,
     rejected_rows,
     silver_rows,
@@ -49,6 +49,7 @@ from iotmon.kafka import spark_kafka_options
 from iotmon.lake import (
     BatchLedger,
     StaleRead,
+    absent,
     append_once,
     collected,
     create_table,
@@ -185,7 +186,7 @@ class IngestWriter:
         lookup = self._behind(readings, first_seen, batch_id, spark)
         append_to_silver(self.settings, self.ledger, batch_id, new, lookup, spark)
 
-    def _behind(self, readings: pa.Table, first_seen: pa.Table, batch_id: int, spark: SparkSession) -> DataFrame | None:
+    def _behind(self, readings: pa.Table, first_seen: pa.Table, batch_id: int, spark: SparkSession) -> pa.Table | None:
         """The batch's readings at or behind its watermark that the state did not see first, one copy each, for
         silver to answer: the state may not have been asked about them (None when there are none)."""
         watermark = planned_watermark(spark, self.checkpoint, batch_id)
@@ -194,7 +195,7 @@ class IngestWriter:
         bound = pa.scalar(watermark.replace(tzinfo=UTC), readings.schema.field(EVENT_TIME).type)
         behind = readings.filter(pc.less_equal(readings[EVENT_TIME], bound))
         behind = first_copies(behind.join(first_seen, list(READING_KEY), join_type="left anti"))
-        return spark.createDataFrame(behind) if behind.num_rows else None
+        return behind if behind.num_rows else None
 
 
 def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:
@@ -219,32 +220,17 @@ def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> S
     )
 
 
-def not_in_silver(
-    readings: DataFrame, spark: SparkSession, settings: Settings, version: int | None = None
-) -> DataFrame:
-    """``readings`` that silver (at ``version``, else its newest) does not hold yet. The event-time bounds let
-    Delta skip every silver file that cannot hold one of them."""
-    bounds = readings.agg(F.min(EVENT_TIME), F.max(EVENT_TIME)).first()
-    if bounds is None or bounds[0] is None:
-        return readings
-    reader = spark.read.format("delta")
-    if version is not None:
-        reader = reader.option("versionAsOf", version)
-    silver = reader.load(settings.table_path(SILVER))
-    held = silver.where(F.col(EVENT_TIME).between(F.lit(bounds[0]), F.lit(bounds[1]))).select(*READING_KEY)
-    return readings.join(held, list(READING_KEY), "left_anti")
-
-
 def append_to_silver(
     settings: Settings,
     ledger: BatchLedger,
     batch_id: int,
     new: pa.Table | None,
-    lookup: DataFrame | None,
+    lookup: pa.Table | None,
     spark: SparkSession,
 ) -> None:
     """Append to silver the readings ``new`` and those of ``lookup`` that silver lacks (nothing when both come
-    to nothing).
+    to nothing). Both are rows on the driver, and so is the lookup (``iotmon.lake.absent``: the silver files
+    whose statistics do not rule the readings out, their key columns only).
 
     Silver has two writers, the ingest query and the late-arrivals query, and either may hold a copy of a
     reading the other holds another copy of. A lookup reads silver at a version, and the append commits right
@@ -261,7 +247,7 @@ def append_to_silver(
         return
     for attempt in range(1, LOOKUP_ATTEMPTS + 1):
         version = table_version(path)
-        missing = not_in_silver(lookup, spark, settings, version).toArrow()
+        missing = absent(lookup, path, READING_KEY, version)
         if new is None and missing.num_rows == 0:
             return
         if new is not None:
@@ -275,12 +261,13 @@ def append_to_silver(
 
 
 def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
-    """The late-arrivals query's ``foreachBatch``: look the readings up in silver, append those it lacks
+    """The late-arrivals query's ``foreachBatch``: its readings collected in one Spark action, one copy of each
+    (``ingest.silver.first_copies``), looked up in silver and appended where silver lacks them
     (``append_to_silver``)."""
 
     def write(batch: DataFrame, batch_id: int) -> None:
-        with held(batch) as rows:  # read twice by the lookup: its bounds, then the readings silver lacks
-            append_to_silver(settings, ledger, batch_id, None, distinct_readings(rows), batch.sparkSession)
+        readings = first_copies(batch.toArrow())
+        append_to_silver(settings, ledger, batch_id, None, readings, batch.sparkSession)
 
     return write
 

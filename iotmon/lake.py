@@ -506,6 +506,33 @@ def _overlapping(table: RustDeltaTable, sought: pa.Table) -> list[tuple[str, int
     return [file for file, gone in zip(files, out.to_pylist(), strict=True) if not gone]
 
 
+def absent(rows: pa.Table, path: str, keys: Sequence[str], version: int) -> pa.Table:
+    """The ``rows`` whose ``keys`` the table at ``path`` does not hold at ``version``: a lookup on the driver.
+
+    Only the files whose statistics do not rule out the rows' key ranges are opened, and only their key
+    columns read, the row groups outside those ranges skipped: the ingest writer looks silver up for a few
+    readings in most batches, and a Spark job for it cost a Delta scan's planning and a join's stages each time
+    (docs/cost-model.md, "The late arrivals in the ingest writer")."""
+    if rows.num_rows == 0:
+        return rows
+    table = RustDeltaTable(path, version=version)
+    schema = _arrow_schema(table)
+    sought = rows.select(list(keys))
+    overlapping = _overlapping(table, sought)
+    if not overlapping:
+        return rows
+    files, root = table_files(table)
+    within = None
+    for key in keys:
+        least, most = pc.min_max(sought.column(key)).values()
+        kind = schema.field(key).type
+        bounds = (ds.field(key) >= pa.scalar(least.as_py(), kind)) & (ds.field(key) <= pa.scalar(most.as_py(), kind))
+        within = bounds if within is None else within & bounds
+    stored = ds.dataset([f"{root}/{unquote(file)}" for file, _ in overlapping], schema=schema, filesystem=files)
+    held = stored.to_table(columns=list(keys), filter=within).cast(sought.schema)
+    return rows.join(held, list(keys), join_type="left anti").select(rows.column_names)
+
+
 def _floor_ms(value: Any) -> Any:
     """A timestamp cut to the millisecond, as Delta's statistics may have it; anything else as it is."""
     return value.replace(microsecond=value.microsecond // 1000 * 1000) if isinstance(value, datetime) else value

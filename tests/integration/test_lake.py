@@ -17,6 +17,7 @@ from pyspark.sql.types import BooleanType, LongType, StructField, StructType
 
 from iotmon.lake import (
     BatchLedger,
+    absent,
     append_once,
     append_rows,
     collected,
@@ -285,3 +286,38 @@ def test_a_held_batch_is_computed_once_planned_as_its_rows_and_released(spark: S
         assert (odd, even, computed.value) == (50, 50, 100)
         assert len(stored() - before) == 1
     assert stored() - before == set()
+
+
+def test_a_lookup_on_the_driver_finds_what_the_table_held_at_its_version(spark: SparkSession, tmp_path: Path) -> None:
+    """``absent``: the rows whose keys the table lacks at a version, reading only the files that may hold them."""
+    table = str(tmp_path / "readings")
+    schema = "device_id string, seq long, event_time timestamp, v double"
+    create_table(spark, table, spark.createDataFrame([], schema).schema, "readings")
+    at = [datetime(2026, 12, 1, 12, m, tzinfo=UTC) for m in range(4)]
+    kind = pa.timestamp("us", tz="UTC")
+
+    def readings(*rows: tuple[str, int, datetime]) -> pa.Table:
+        device, seq, when = zip(*rows, strict=True)
+        return pa.table({"device_id": device, "seq": seq, "event_time": pa.array(when, kind), "v": [1.0] * len(rows)})
+
+    append_rows(readings(("dev-a", 1, at[0]), ("dev-b", 1, at[0])), table)  # version 1: an old file
+    append_rows(readings(("dev-a", 2, at[2])), table)  # version 2
+    version = RustDeltaTable(table).version()
+    append_rows(readings(("dev-a", 3, at[3])), table)  # version 3: after the lookup's version
+    # The old file cannot hold a key of the rows sought (its statistics say so): it is never opened.
+    first = RustDeltaTable(table, version=1).get_add_actions(flatten=True).column("path")[0].as_py()
+    (Path(table) / first).unlink()
+
+    # The caller's rows keep their columns and order; their timestamps may be of another zone than the table's.
+    sought = readings(("dev-a", 2, at[2]), ("dev-a", 3, at[3]), ("dev-b", 2, at[2]), ("dev-a", 2, at[3]))
+    sought = sought.set_column(2, "event_time", sought["event_time"].cast(pa.timestamp("us", tz="Etc/UTC")))
+    missing = absent(
+        sought.select(["v", "event_time", "seq", "device_id"]), table, ("device_id", "seq", "event_time"), version
+    )
+    assert missing.column_names == ["v", "event_time", "seq", "device_id"]
+    assert sorted(zip(missing["device_id"].to_pylist(), missing["seq"].to_pylist(), strict=True)) == [
+        ("dev-a", 2),  # the same seq at another time is another reading
+        ("dev-a", 3),  # committed after the version looked up
+        ("dev-b", 2),
+    ]
+    assert absent(sought.slice(0, 0), table, ("device_id", "seq", "event_time"), version).num_rows == 0

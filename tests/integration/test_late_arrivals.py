@@ -51,7 +51,7 @@ def test_a_lookup_the_other_writers_commit_made_stale_is_done_again(
         landing.write_late_arrivals(isolated, ledger_for("test-writer"))(looked_up, 0)
     else:
         new = silver_frame(spark, [silver_row("dev-b", 1, 1)]).toArrow()  # first seen by the state: no lookup
-        landing.append_to_silver(isolated, ledger_for("test-writer"), 0, new, looked_up, spark)
+        landing.append_to_silver(isolated, ledger_for("test-writer"), 0, new, looked_up.toArrow(), spark)
     other.join(60)
 
     # The first append lost to the other commit and was not retried blindly: the second lookup saw reading 2.
