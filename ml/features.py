@@ -212,7 +212,6 @@ class Judgements:
 
 def device_features(
     event_us: np.ndarray,
-    seq: np.ndarray,
     values: np.ndarray,
     on_time: np.ndarray,
     spec: FeatureSpec,
@@ -336,17 +335,33 @@ def _spread(values: np.ndarray, previous: np.ndarray) -> np.ndarray:
 _FEATURE_STRUCT = StructType([StructField(name, DoubleType()) for name in FEATURE_COLUMNS])
 
 
+@dataclass(frozen=True)
+class DeviceReadings:
+    """One device's readings as ``device_features`` takes them: sorted by (event time, seq), the metrics a matrix."""
+
+    order: np.ndarray
+    """Each sorted reading's row in the table it came from."""
+    event_us: np.ndarray
+    values: np.ndarray
+    on_time: np.ndarray
+
+    @classmethod
+    def of(cls, table: pa.Table) -> DeviceReadings:
+        """The readings of ``table`` (one device's silver rows, any order)."""
+        event_us = table.column(EVENT_TIME).cast(pa.timestamp("us")).to_numpy().astype(np.int64)
+        order = np.lexsort((table.column(SEQ).to_numpy(), event_us))
+        values = np.column_stack([table.column(m).to_numpy() for m in METRIC_NAMES])[order].astype(np.float64)
+        on_time = pc.equal(table.column(LATENESS), ON_TIME).to_numpy(zero_copy_only=False)[order]
+        return cls(order, event_us[order], values, on_time)
+
+
 def featured_table(table: pa.Table, spec: FeatureSpec, since_us: int | None = None) -> pa.Table:
     """One device's readings (Arrow, any order) with a ``f_<metric>`` struct of features each, sorted by event
     time; with ``since_us``, only the readings from then on (the rest were history)."""
-    event_us = table.column(EVENT_TIME).cast(pa.timestamp("us")).to_numpy().astype(np.int64)
-    seq = table.column(SEQ).to_numpy()
-    order = np.lexsort((seq, event_us))
-    event_us, seq = event_us[order], seq[order]
-    values = np.column_stack([table.column(m).to_numpy() for m in METRIC_NAMES])[order].astype(np.float64)
-    on_time = pc.equal(table.column(LATENESS), ON_TIME).to_numpy(zero_copy_only=False)[order]
+    readings = DeviceReadings.of(table)
+    order, event_us, values, on_time = readings.order, readings.event_us, readings.values, readings.on_time
     first = 0 if since_us is None else int(np.searchsorted(event_us, since_us, side="left"))
-    features = device_features(event_us, seq, values, on_time, spec, np.arange(first, len(event_us)))
+    features = device_features(event_us, values, on_time, spec, np.arange(first, len(event_us)))
     table = table.take(pa.array(order[first:]))
     for m, name in enumerate(METRIC_NAMES):
         fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]

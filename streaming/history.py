@@ -156,7 +156,7 @@ class DeviceHistory:
             # the judgements computed here stay with the readings for the next batches.
             wanted = _positions(known, mine.event_us, mine.seq)
             features[rows] = device_features(
-                known.event_us, known.seq, known.values, known.on_time, spec, wanted, known.judgements
+                known.event_us, known.values, known.on_time, spec, wanted, known.judgements
             )
             self.devices[device] = known.since(self._horizon(known, spec))
         for m, metric in enumerate(METRIC_NAMES):

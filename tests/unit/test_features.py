@@ -172,7 +172,6 @@ def test_the_features_of_some_readings_are_those_of_the_whole_computation() -> N
     rng = np.random.default_rng(5)
     n = 400
     event_us = np.sort(rng.integers(0, 200_000_000, n))  # 200 s: ten buckets of SPEC's 20 s history
-    seq = np.arange(n)
     values = np.round(rng.normal(20.0, 0.3, (n, len(METRIC_NAMES))), 2)
     values[100:112, 0] = values[100, 0]  # stuck
     values[[150, 151, 260], 1] = 60.0  # spikes, one at a bucket's edge
@@ -181,23 +180,23 @@ def test_the_features_of_some_readings_are_those_of_the_whole_computation() -> N
     silent_after = some_late & (event_us < 100_000_000)  # from 100 s on, only late readings arrive
     for on_time in (some_late, silent_after):
         judged = Judgements.none(n, len(METRIC_NAMES))
-        whole = device_features(event_us, seq, values, on_time, SPEC, judgements=judged)
+        whole = device_features(event_us, values, on_time, SPEC, judgements=judged)
         assert judged.judged[on_time].all() and judged.jumped[on_time].all()
         for first in [1, 37, 99, 150, 151, 200, 261, 350, 399]:
             wanted = np.arange(first, n)
-            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, wanted), whole[first:])
+            assert np.array_equal(device_features(event_us, values, on_time, SPEC, wanted), whole[first:])
             # As the scorer asks: the readings before the batch judged earlier, its own not yet.
             kept = _judged_before(judged, first)
-            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, wanted, kept), whole[first:])
+            assert np.array_equal(device_features(event_us, values, on_time, SPEC, wanted, kept), whole[first:])
             computed = kept.judged & on_time
             assert np.array_equal(kept.suspect[computed], judged.suspect[computed])
             assert np.array_equal(kept.jumps[kept.jumped], judged.jumps[kept.jumped], equal_nan=True)
         # A batch with late readings: a few readings scattered among others that are context only.
         for wanted in [np.array([37, 150, 151, 399]), np.sort(rng.choice(n, 40, replace=False)), np.array([260])]:
-            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, wanted), whole[wanted])
+            assert np.array_equal(device_features(event_us, values, on_time, SPEC, wanted), whole[wanted])
             kept = _judged_before(judged, int(wanted[0]))
-            assert np.array_equal(device_features(event_us, seq, values, on_time, SPEC, wanted, kept), whole[wanted])
-        assert device_features(event_us, seq, values, on_time, SPEC, np.arange(0)).shape == (0, len(METRIC_NAMES), 4)
+            assert np.array_equal(device_features(event_us, values, on_time, SPEC, wanted, kept), whole[wanted])
+        assert device_features(event_us, values, on_time, SPEC, np.arange(0)).shape == (0, len(METRIC_NAMES), 4)
 
 
 def _judged_before(judged: Judgements, first: int) -> Judgements:

@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pytest
 
 from iotmon.schema import DEVICE_ID, EVENT_TIME, LATENESS, METRIC_NAMES, SEQ
-from ml.features import FeatureSpec, Judgements, device_features, featured_table
+from ml.features import DeviceReadings, FeatureSpec, Judgements, device_features, featured_table
 from streaming.history import FEATURE_INPUTS, DeviceHistory
 
 SPEC = FeatureSpec(history_s=10.0, settle_s=1.0)
@@ -66,15 +66,10 @@ def _whole_archive(archive: pa.Table) -> dict[tuple[str, int], list[float]]:
 
 def _whole_judgements(archive: pa.Table, device: str) -> tuple[np.ndarray, Judgements]:
     """A device's event times over the whole archive, sorted, and every reading's jump and suspicion."""
-    mine = archive.filter(pc.equal(archive.column(DEVICE_ID), device))
-    event_us = mine.column(EVENT_TIME).cast(pa.int64()).to_numpy()
-    seq = mine.column(SEQ).to_numpy()
-    order = np.lexsort((seq, event_us))
-    values = np.column_stack([mine.column(m).to_numpy() for m in METRIC_NAMES])[order]
-    on_time = pc.equal(mine.column(LATENESS), "on_time").to_numpy(zero_copy_only=False)[order]
-    judgements = Judgements.none(len(order), len(METRIC_NAMES))
-    device_features(event_us[order], seq[order], values, on_time, SPEC, judgements=judgements)
-    return event_us[order], judgements
+    readings = DeviceReadings.of(archive.filter(pc.equal(archive.column(DEVICE_ID), device)))
+    judgements = Judgements.none(len(readings.order), len(METRIC_NAMES))
+    device_features(readings.event_us, readings.values, readings.on_time, SPEC, judgements=judgements)
+    return readings.event_us, judgements
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["silver-as-of-the-batch", "silver-ahead-of-the-batch"])
