@@ -318,7 +318,7 @@ def merge_once(
         files, root = table_files(table)
         sought = rows.select(list(keys))
         touched, kept = [], []
-        for file, size in _overlapping(table, sought):
+        for file, size in _overlapping(table, _key_ranges(sought)):
             old = ds.dataset(f"{root}/{unquote(file)}", schema=schema, format="parquet", filesystem=files)
             if old.to_table(columns=list(keys)).join(sought, list(keys), join_type="left semi").num_rows == 0:
                 continue  # none of the batch's keys: the file stays as it is
@@ -494,14 +494,22 @@ def ruled_out(actions: pa.Table, column: str, least: Any, most: Any = None) -> p
     return pc.fill_null(out, False)
 
 
-def _overlapping(table: RustDeltaTable, sought: pa.Table) -> list[tuple[str, int]]:
-    """The data files (paths as the log has them, and sizes) whose statistics do not rule out each of
-    ``sought``'s key columns' range: a window's MERGE reads the files of recent windows, not all of them."""
-    actions = pa.table(table.get_add_actions(flatten=True))
-    out = pa.chunked_array([pa.array([False] * actions.num_rows, pa.bool_())])
+def _key_ranges(sought: pa.Table) -> dict[str, tuple[Any, Any]]:
+    """Each of ``sought``'s columns' least and greatest value."""
+    ranges = {}
     for key in sought.column_names:
         least, most = pc.min_max(sought.column(key)).values()
-        out = pc.or_(out, ruled_out(actions, key, least.as_py(), most.as_py()))
+        ranges[key] = (least.as_py(), most.as_py())
+    return ranges
+
+
+def _overlapping(table: RustDeltaTable, ranges: Mapping[str, tuple[Any, Any]]) -> list[tuple[str, int]]:
+    """The data files (paths as the log has them, and sizes) whose statistics do not rule out each key column's
+    range (``_key_ranges``): a window's MERGE reads the files of recent windows, not all of them."""
+    actions = pa.table(table.get_add_actions(flatten=True))
+    out = pa.chunked_array([pa.array([False] * actions.num_rows, pa.bool_())])
+    for key, (least, most) in ranges.items():
+        out = pc.or_(out, ruled_out(actions, key, least, most))
     files = zip(actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist(), strict=True)
     return [file for file, gone in zip(files, out.to_pylist(), strict=True) if not gone]
 
@@ -519,15 +527,15 @@ def absent(rows: pa.Table, path: str, keys: Sequence[str], version: int) -> pa.T
     table = RustDeltaTable(path, version=version)
     schema = _arrow_schema(table)
     sought = rows.select(list(keys))
-    overlapping = _overlapping(table, sought)
+    ranges = _key_ranges(sought)
+    overlapping = _overlapping(table, ranges)
     if not overlapping:
         return rows
     files, root = table_files(table)
     within = None
-    for key in keys:
-        least, most = pc.min_max(sought.column(key)).values()
+    for key, (least, most) in ranges.items():
         kind = schema.field(key).type
-        bounds = (ds.field(key) >= pa.scalar(least.as_py(), kind)) & (ds.field(key) <= pa.scalar(most.as_py(), kind))
+        bounds = (ds.field(key) >= pa.scalar(least, kind)) & (ds.field(key) <= pa.scalar(most, kind))
         within = bounds if within is None else within & bounds
     stored = ds.dataset([f"{root}/{unquote(file)}" for file, _ in overlapping], schema=schema, filesystem=files)
     held = stored.to_table(columns=list(keys), filter=within).cast(sought.schema)

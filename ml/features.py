@@ -359,10 +359,10 @@ def featured_table(table: pa.Table, spec: FeatureSpec, since_us: int | None = No
     """One device's readings (Arrow, any order) with a ``f_<metric>`` struct of features each, sorted by event
     time; with ``since_us``, only the readings from then on (the rest were history)."""
     readings = DeviceReadings.of(table)
-    order, event_us, values, on_time = readings.order, readings.event_us, readings.values, readings.on_time
-    first = 0 if since_us is None else int(np.searchsorted(event_us, since_us, side="left"))
-    features = device_features(event_us, values, on_time, spec, np.arange(first, len(event_us)))
-    table = table.take(pa.array(order[first:]))
+    first = 0 if since_us is None else int(np.searchsorted(readings.event_us, since_us, side="left"))
+    wanted = np.arange(first, len(readings.event_us))
+    features = device_features(readings.event_us, readings.values, readings.on_time, spec, wanted)
+    table = table.take(pa.array(readings.order[first:]))
     for m, name in enumerate(METRIC_NAMES):
         fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]
         table = table.append_column(f"f_{name}", pa.StructArray.from_arrays(fields, names=list(FEATURE_COLUMNS)))
