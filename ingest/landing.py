@@ -1,31 +1,30 @@
 """The ingest stage's edges: Kafka records land in bronze and quarantine, distinct readings in silver.
 
-Exactly once, end to end: Kafka is replayable by offset, the query checkpoints the offsets of each batch
-before running it, and each table holds each batch id of the query at most once (``iotmon.lake.BatchLedger``).
+Exactly once, end to end: Kafka is replayable by offset, each query checkpoints the offsets of each batch
+before running it, and each table holds each batch id of a query at most once (``iotmon.lake.BatchLedger``).
 A batch interrupted anywhere (SIGKILL included) is re-run from the same offsets with the same state, and a
 table that already holds it is skipped.
 
-One query, **ingest**, reads one micro-batch of Kafka records and writes all three tables from it: every
-record parsed (``ingest.bronze``) into bronze, those that failed parsing or name an unregistered device into
-quarantine with the reason, and each distinct reading once into silver (``ingest.silver``: the registry
-joined, validated, lateness classified). It is silver's only writer. How a batch knows which of its readings
-silver lacks:
+Two queries:
 
-* **within the watermark, by state**: ``dropDuplicatesWithinWatermark`` on the reading key remembers every key
-  for ``IOTMON_WATERMARK`` of event time, so a batch learns which of its readings are new without reading
-  silver. The plan reads the batch's records twice, once whole and once for the keys the state has not seen
-  (Spark does not share a source scan between the branches of a union), which costs a second parse of each
-  record; a chain of two queries through bronze costs a second micro-batch with its fixed costs and a Delta
-  hop (docs/cost-model.md).
-* **beyond it, by silver itself**: the readings Kafka delivered later than the watermark (``too_late``), which
-  no state remembers, and the rare ones behind the batch's watermark, which the state drops unasked, are
-  looked up on the driver (``iotmon.lake.absent``: only the silver files whose statistics do not rule the
-  readings out, only their key columns). A few dozen readings a batch: milliseconds (docs/cost-model.md,
-  "Late arrivals in the ingest writer").
+* **ingest** reads one micro-batch of Kafka records and writes all three tables from it: every record
+  parsed (``ingest.bronze``) into bronze, those that failed parsing or name an unregistered device into
+  quarantine with the reason, and each distinct reading once into silver (``ingest.silver``: the registry
+  joined, validated, lateness classified). Deduplication within the watermark is Spark's state store:
+  ``dropDuplicatesWithinWatermark`` on the reading key remembers every key for ``IOTMON_WATERMARK`` of event
+  time, so a batch learns which of its readings are new without reading silver. The plan reads the batch's
+  records twice, once whole and once for the keys the state has not seen (Spark does not share a source scan
+  between the branches of a union), which costs a second parse of each record; a chain of two queries
+  through bronze costs a second micro-batch with its fixed costs and a Delta hop (docs/cost-model.md).
+* **late_arrivals** lands the readings Kafka delivered later than the watermark (``too_late``), which no
+  state remembers: silver itself is looked up for them, a slow trigger's worth at a time, on the driver
+  (``iotmon.lake.absent``: only the silver files whose statistics do not rule the readings out, only their key
+  columns).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC
 
 import pyarrow as pa
@@ -49,12 +48,14 @@ from iotmon.config import Settings
 from iotmon.kafka import spark_kafka_options
 from iotmon.lake import (
     BatchLedger,
+    StaleRead,
     absent,
     append_once,
     collected,
     create_table,
     held,
     planned_watermark,
+    table_property,
     table_version,
 )
 from iotmon.queries import QuerySpec, Trigger
@@ -65,6 +66,7 @@ from iotmon.schema import (
     DEVICES_SCHEMA,
     EVENT_TIME,
     INGEST,
+    LATE_ARRIVALS,
     LATENESS,
     QUARANTINE,
     QUARANTINE_SCHEMA,
@@ -73,13 +75,19 @@ from iotmon.schema import (
     TOO_LATE,
 )
 
+BRONZE_VERSION = "iotmon.bronzeVersion"
+"""Table property of ``silver`` set by ``iotmon backfill``: silver holds bronze up to this version, so the
+late-arrivals query starting from a new checkpoint begins right after it."""
 FIRST_SEEN = "_first_seen"
 """Marks the rows of an ingest batch that are reading keys seen for the first time, not records."""
 _RECORDS = "records"
 _RECORD_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys([*BRONZE_SCHEMA.fieldNames(), *SILVER_SCHEMA.fieldNames()]))
 """What the ingest writer collects of each record: bronze's row, and silver's for a reading."""
-_ACCEPTED = "_accepted"
-"""Marks the collected records that are readings silver takes (``ingest.silver.accepted``)."""
+_RECENT = "_recent"
+"""Marks the collected records that are readings the ingest query lands itself: accepted, not too late."""
+BatchWriter = Callable[[DataFrame, int], None]
+LOOKUP_ATTEMPTS = 5
+"""How often a late-arrivals batch looks silver up again after an ingest commit conflicted with its append."""
 
 
 def ensure_landing_tables(spark: SparkSession, settings: Settings) -> None:
@@ -118,9 +126,8 @@ def registry(spark: SparkSession, settings: Settings) -> DataFrame:
 def first_seen_keys(readings: DataFrame, watermark: str) -> DataFrame:
     """The key of each reading seen for the first time, by state within ``watermark``.
 
-    ``readings`` are accepted, not ``too_late``: those are looked up in silver, and would only hold the
-    watermark's state to no use. The rare reading whose event time the watermark has passed anyway is dropped
-    here, and looked up too (``IngestWriter``).
+    ``readings`` are accepted, not ``too_late`` (the late-arrivals query's part). The rare reading whose
+    event time the watermark has passed anyway is dropped here, and recognised by the batch writer.
     """
     return (
         readings.withWatermark(EVENT_TIME, watermark)
@@ -146,12 +153,12 @@ class IngestWriter:
     readings into silver; each table skipped if it already holds the batch.
 
     One Spark action over the held batch (``iotmon.lake.collected``) brings the driver the classified
-    records (bronze's columns and silver's, and whether each is a reading silver takes), the keys the state
-    saw first and the rejects. Silver's readings are picked from them in Arrow: those whose keys the state saw
-    first, one copy each (``ingest.silver.first_copies``), a sort of the batch's rows on the driver where Spark
-    would shuffle and sort them in stages of tasks of their own (docs/cost-model.md, "Silver's readings picked
-    on the driver"); and those of the rest the state cannot vouch for, where silver lacks them
-    (``_doubtful``, ``append_to_silver``)."""
+    records (bronze's columns and silver's, and whether each is a reading this query lands), the keys the
+    state saw first and the rejects. Silver's new readings are picked from them in Arrow: the readings whose
+    keys the state saw first, one copy each (``ingest.silver.first_copies``), a sort of the batch's rows on
+    the driver where Spark would shuffle and sort them in stages of tasks of their own (docs/cost-model.md,
+    "Silver's readings picked on the driver"). The readings behind the watermark the state was not asked
+    about are looked up in silver (``append_to_silver``)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -162,37 +169,42 @@ class IngestWriter:
         spark, table = batch.sparkSession, self.settings.table_path
         with held(batch) as rows:
             classified = rows.where(~F.col(FIRST_SEEN))
+            recent = accepted() & (F.col(LATENESS) != TOO_LATE)
             out = collected(
                 {
-                    _RECORDS: classified.select(*_RECORD_COLUMNS, accepted().alias(_ACCEPTED)),
+                    _RECORDS: classified.select(*_RECORD_COLUMNS, recent.alias(_RECENT)),
                     FIRST_SEEN: rows.where(F.col(FIRST_SEEN)).select(*READING_KEY),
                     QUARANTINE: quarantine_rows(classified).unionByName(rejected_rows(classified)),
                 }
             )
         records, first_seen = out[_RECORDS], out[FIRST_SEEN]
-        readings = records.filter(records[_ACCEPTED]).select(SILVER_SCHEMA.fieldNames())
+        readings = records.filter(records[_RECENT]).select(SILVER_SCHEMA.fieldNames())
         append_once(records.select(BRONZE_SCHEMA.fieldNames()), table(BRONZE), self.ledger, batch_id, spark)
         if out[QUARANTINE].num_rows:
             append_once(out[QUARANTINE], table(QUARANTINE), self.ledger, batch_id, spark)
-        # The first copy of a key the state saw first: a too-late copy of it reached Kafka later, so never wins.
         new = first_copies(readings.join(first_seen, list(READING_KEY), join_type="left semi"))
-        unseen = readings.join(first_seen, list(READING_KEY), join_type="left anti")
-        lookup = self._doubtful(unseen, batch_id, spark)
+        lookup = self._behind(readings, first_seen, batch_id, spark)
         append_to_silver(self.settings, self.ledger, batch_id, new, lookup, spark)
 
-    def _doubtful(self, unseen: pa.Table, batch_id: int, spark: SparkSession) -> pa.Table | None:
-        """Of the batch's readings whose keys the state did not see first, those it cannot vouch for, one copy
-        each, for silver to answer (None when there are none): the ones Kafka delivered later than the
-        watermark, which the state was never asked about, and the ones at or behind the batch's watermark,
-        which it drops unasked. The others are copies of readings the state saw within the watermark, which an
-        earlier batch landed."""
-        doubtful = pc.equal(unseen[LATENESS], TOO_LATE)
+    def _behind(self, readings: pa.Table, first_seen: pa.Table, batch_id: int, spark: SparkSession) -> pa.Table | None:
+        """The batch's readings at or behind its watermark that the state did not see first, one copy each, for
+        silver to answer: the state may not have been asked about them (None when there are none)."""
         watermark = planned_watermark(spark, self.checkpoint, batch_id)
-        if watermark is not None:
-            bound = pa.scalar(watermark.replace(tzinfo=UTC), unseen.schema.field(EVENT_TIME).type)
-            doubtful = pc.or_(doubtful, pc.less_equal(unseen[EVENT_TIME], bound))
-        looked_up = first_copies(unseen.filter(doubtful))
-        return looked_up if looked_up.num_rows else None
+        if watermark is None:
+            return None
+        bound = pa.scalar(watermark.replace(tzinfo=UTC), readings.schema.field(EVENT_TIME).type)
+        behind = readings.filter(pc.less_equal(readings[EVENT_TIME], bound))
+        behind = first_copies(behind.join(first_seen, list(READING_KEY), join_type="left anti"))
+        return behind if behind.num_rows else None
+
+
+def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:
+    """Bronze as a stream, for a query starting from a new checkpoint right after what a backfill read."""
+    reader = spark.readStream.format("delta")
+    backfilled = table_property(spark, settings.table_path(SILVER), BRONZE_VERSION)
+    if backfilled is not None:  # only honoured by a new checkpoint, which is when it applies
+        reader = reader.option("startingVersion", int(backfilled) + 1)
+    return reader.load(settings.table_path(BRONZE))
 
 
 def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
@@ -212,29 +224,71 @@ def append_to_silver(
     settings: Settings,
     ledger: BatchLedger,
     batch_id: int,
-    new: pa.Table,
+    new: pa.Table | None,
     lookup: pa.Table | None,
     spark: SparkSession,
 ) -> None:
-    """Append to silver the readings ``new`` and those of ``lookup`` that silver lacks. Both are rows on the
-    driver, and so is the lookup (``iotmon.lake.absent``: the silver files whose statistics do not rule the
-    readings out, their key columns only). Without a lookup the append is blind: the state said the readings
-    are new.
+    """Append to silver the readings ``new`` and those of ``lookup`` that silver lacks (nothing when both come
+    to nothing). Both are rows on the driver, and so is the lookup (``iotmon.lake.absent``: the silver files
+    whose statistics do not rule the readings out, their key columns only).
 
-    The ingest query is silver's only writer, so nothing changes silver between its lookup and its append.
-    The append still commits right after the version looked up or not at all (``iotmon.lake.append_once``'s
-    ``read_version``): a second writer (another stream on the same lake, a backfill while the stream runs)
-    then fails the batch, whose replay looks silver up again, where a blind commit would duplicate a reading.
+    Silver has two writers, the ingest query and the late-arrivals query, and either may hold a copy of a
+    reading the other holds another copy of. A lookup reads silver at a version, and the append commits right
+    after that version or not at all (``iotmon.lake.append_once``'s ``read_version``), as a Delta transaction
+    that read the table is refused when another commit came first: the other writer may have added a reading
+    the lookup missed. That is not a failure of the query, only a stale lookup, so it is done again on the new
+    silver, up to ``LOOKUP_ATTEMPTS`` times, before the conflict fails the batch (and the supervisor restarts
+    the query). Without a lookup the append is blind: the state said the readings are new.
     """
     path = settings.table_path(SILVER)
     if lookup is None:
-        append_once(new, path, ledger, batch_id, spark)
+        if new is not None:
+            append_once(new, path, ledger, batch_id, spark)
         return
-    version = table_version(path)
-    missing = absent(lookup, path, READING_KEY, version)
-    rows = pa.concat_tables([new, missing.select(new.column_names).cast(new.schema)])
-    append_once(rows, path, ledger, batch_id, spark, read_version=version)
+    for attempt in range(1, LOOKUP_ATTEMPTS + 1):
+        version = table_version(path)
+        missing = absent(lookup, path, READING_KEY, version)
+        if new is None and missing.num_rows == 0:
+            return
+        if new is not None:
+            missing = pa.concat_tables([new, missing.select(new.column_names).cast(new.schema)])
+        try:
+            append_once(missing, path, ledger, batch_id, spark, read_version=version)
+            return
+        except StaleRead:
+            if attempt == LOOKUP_ATTEMPTS:
+                raise
+
+
+def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
+    """The late-arrivals query's ``foreachBatch``: its readings collected in one Spark action, one copy of each
+    (``ingest.silver.first_copies``), looked up in silver and appended where silver lacks them
+    (``append_to_silver``)."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        readings = first_copies(batch.toArrow())
+        append_to_silver(settings, ledger, batch_id, None, readings, batch.sparkSession)
+
+    return write
+
+
+def start_late_arrivals(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    """Bronze -> silver for the readings Kafka delivered later than the watermark: rare, so looked up in
+    silver itself, a whole trigger's worth at once."""
+    checkpoint = settings.checkpoint_path(LATE_ARRIVALS)
+    classified = classify_readings(
+        bronze_stream(spark, settings), registry(spark, settings), LatenessRules.from_settings(settings)
+    )
+    late = silver_rows(classified).where(F.col(LATENESS) == TOO_LATE)
+    return (
+        late.writeStream.queryName(LATE_ARRIVALS)
+        .foreachBatch(write_late_arrivals(settings, BatchLedger(checkpoint)))
+        .option("checkpointLocation", checkpoint)
+        .trigger(**trigger)
+        .start()
+    )
 
 
 INGEST_QUERY = QuerySpec(INGEST, start_ingest, source_reads=2)
 """Its plan reads each Kafka batch twice: the classified records, and the first-seen keys (state)."""
+LATE_ARRIVALS_QUERY = QuerySpec(LATE_ARRIVALS, start_late_arrivals)

@@ -279,8 +279,8 @@ class Settings:
         "FINAL_TRIGGER_INTERVAL",
         "60 seconds",
         _parse_interval,
-        "Processing-time trigger of the final windows and sessions: what they write can only be due once the "
-        "watermark has moved on.",
+        "Processing-time trigger of the final windows and of the late arrivals: what they write can only be "
+        "due once the watermark has moved on.",
     )
     max_offsets_per_trigger: int | None = _setting(
         "MAX_OFFSETS_PER_TRIGGER", 1_000_000, _parse_optional_positive_int, "Cap on Kafka records per batch."

@@ -518,9 +518,9 @@ def absent(rows: pa.Table, path: str, keys: Sequence[str], version: int) -> pa.T
     """The ``rows`` whose ``keys`` the table at ``path`` does not hold at ``version``: a lookup on the driver.
 
     Only the files whose statistics do not rule out the rows' key ranges are opened, and only their key
-    columns read, the row groups outside those ranges skipped. Silver's writer looks a batch's late readings up
+    columns read, the row groups outside those ranges skipped. Silver's writers look a batch's late readings up
     where those readings already are: Spark scanned and shuffled every key of the minutes they span, 12-16 s of
-    CPU for a minute's late readings at 5,000 events/s against 0.5 s here (docs/cost-model.md, "Silver looked
+    CPU for a minute of late arrivals at 5,000 events/s against 0.5 s here (docs/cost-model.md, "Silver looked
     up on the driver")."""
     if rows.num_rows == 0:
         return rows

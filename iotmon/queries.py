@@ -549,7 +549,7 @@ def run_continuously(
 
         Asked as soon as a query has finished a batch, the only event after which the answer can change once
         nothing is published, and at least every ``DRAIN_CHECK_SECONDS``: each hop of a drain (ingest, then
-        the silver readers, then the alerts) then starts within a poll of the last one's end,
+        the late arrivals, the silver readers, the alerts) then starts within a poll of the last one's end,
         not within a clock's tick of 2 s."""
         nonlocal next_check, checked_after
         if unread is None or not draining.is_set():

@@ -74,10 +74,12 @@ MALFORMED_KINDS = (
 ANOMALY_TYPES = ("spike", "stuck", "drift", "noise_burst")
 
 # Tables of the lake, addressed by ``Settings.table_path(name)``. Streaming queries are named after the
-# (first) table they write, and so are their checkpoints, except this one: the ingest query writes bronze,
-# quarantine and silver.
+# (first) table they write, and so are their checkpoints, except these two: the ingest query writes bronze,
+# quarantine and silver; late arrivals are silver's second writer.
 INGEST = "ingest"
 """The query landing Kafka's records in bronze, quarantine and silver."""
+LATE_ARRIVALS = "late_arrivals"
+"""The query landing in silver the readings Kafka delivered later than the watermark."""
 BRONZE = "bronze"
 QUARANTINE = "quarantine"
 DEVICES = "devices"

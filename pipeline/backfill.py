@@ -5,8 +5,8 @@ functions the stream runs are applied to a pinned bronze snapshot, each table is
 commit (readers see the old table or the new one, never a mix), and the downstream checkpoints are
 reset so the stream resumes on top of the rebuilt tables:
 
-* the ingest query, which reads Kafka, goes on appending to the rebuilt silver (the checkpoints of queries
-  an earlier version wrote silver with are removed: the rebuilt silver holds what they would have landed);
+* the late-arrivals query resumes after the bronze version the backfill read (``iotmon.bronzeVersion`` on
+  silver); the ingest query, which reads Kafka, goes on appending to the rebuilt silver;
 * the gold queries re-derive their state from the rebuilt silver and skip final rows the backfill
   already wrote (``iotmon.finalThrough`` on ``device_windows``), so nothing is written twice;
 * device status is cleared and re-derived by its query from silver.
@@ -29,6 +29,7 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from ingest.landing import BRONZE_VERSION
 from ingest.silver import (
     SILVER_STAGE,
     LatenessRules,
@@ -52,13 +53,13 @@ from iotmon.schema import (
     QUARANTINE,
     SILVER,
 )
-from pipeline.topology import RETIRED_SILVER_WRITERS, downstream_of
+from pipeline.topology import downstream_of
 from streaming.jobs import FINAL_THROUGH
 from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
 
-RESET_QUERIES: tuple[str, ...] = (*RETIRED_SILVER_WRITERS, *downstream_of(SILVER))
-"""The queries downstream of silver, whose checkpoints a backfill replaces, and the retired writers of silver
-(the ingest query reads Kafka and goes on appending to the rebuilt silver)."""
+RESET_QUERIES: tuple[str, ...] = downstream_of(BRONZE)
+"""The queries downstream of bronze, whose checkpoints a backfill replaces (the ingest query reads Kafka
+and goes on appending to the rebuilt silver)."""
 REBUILT_BY_STREAM: tuple[str, ...] = (DEVICE_STATUS, DEVICE_STATUS_CHANGES, ANOMALIES, ALERTS)
 """Tables a backfill empties for the resumed stream to rebuild from the new silver: state machines, whose
 history only the stream replays faithfully, and the scores (the current champion rescores everything)."""
@@ -114,6 +115,7 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
     step(f"silver from bronze version {bronze_version}")
     classified = classify_readings(bronze, devices, LatenessRules.from_settings(settings)).localCheckpoint()
     result.rows[SILVER] = _replace(distinct_readings(silver_rows(classified)), table(SILVER))
+    _set_property(spark, table(SILVER), BRONZE_VERSION, str(bronze_version))
     # Silver's rejects are re-derived too (the registry may have changed); bronze's own stay as they are.
     (
         rejected_rows(classified)

@@ -43,7 +43,6 @@ def run_stream(
         outdated_checkpoints,
         pool_weights,
         retired_checkpoints,
-        retired_silver_writers,
         source_reads,
         triggers_line,
     )
@@ -55,13 +54,6 @@ def run_stream(
             f"{settings.checkpoint_root} holds checkpoints of queries this version replaced ({', '.join(retired)}): "
             "its ingest query would archive every Kafka record again. Start over with `iotmon reset`, which "
             "keeps Kafka's data for the stream to archive anew (or `make demo ARGS=--fresh`)"
-        )
-    if writers := retired_silver_writers(settings):
-        raise ConfigError(
-            f"{settings.checkpoint_root} holds checkpoints of queries this version retired ({', '.join(writers)}): "
-            "the ingest query now lands the readings they landed, and what they had not yet read of bronze would "
-            "be in no table. Rebuild silver and the tables below it from the archive with `iotmon backfill` (it "
-            "removes those checkpoints), or start over with `iotmon reset`"
         )
     if outdated := outdated_checkpoints(settings):
         raise ConfigError(

@@ -4,8 +4,8 @@ One declaration, used by ``iotmon stream`` (which queries to start, with which t
 --until-idle`` and the backfill (which queries to drain or reset, in order), the bench (what each query
 reads, to tell when it has caught up) and the docs' picture (docs/topology.md)::
 
-    Kafka ──ingest──▶ bronze, quarantine, silver   (parse, registry join, state-store dedup within the watermark,
-                                                     silver looked up beyond it)
+    Kafka ──ingest──▶ bronze, quarantine, silver   (parse, registry join, state-store dedup within the watermark)
+    bronze ──late_arrivals──▶ silver                (readings later than the watermark, looked up)
     silver ──device_windows──▶ device_windows, site_windows, device_sessions
            ├─device_windows_live──▶ device_windows_live
            ├─device_status──▶ device_status, device_status_changes
@@ -22,7 +22,7 @@ from enum import Enum
 
 from pyspark.sql import SparkSession
 
-from ingest.landing import INGEST_QUERY, ensure_landing_tables
+from ingest.landing import INGEST_QUERY, LATE_ARRIVALS_QUERY, ensure_landing_tables
 from iotmon.config import Settings
 from iotmon.preflight import local_directory
 from iotmon.queries import QuerySpec, Trigger, recorded_state_variables
@@ -61,7 +61,8 @@ class Budget(Enum):
     """Scores, alerts, device status and live windows within seconds of silver (``IOTMON_GOLD_TRIGGER_INTERVAL``):
     each batch takes what several ingest batches landed."""
     WATERMARK = "final_trigger_interval"
-    """Only due once the watermark has moved on (``IOTMON_FINAL_TRIGGER_INTERVAL``): final windows and sessions."""
+    """Only due once the watermark has moved on (``IOTMON_FINAL_TRIGGER_INTERVAL``): final windows and sessions,
+    readings later than the watermark."""
 
     def interval(self, settings: Settings) -> str:
         return getattr(settings, self.value)
@@ -96,10 +97,16 @@ TOPOLOGY: tuple[Node, ...] = (
         reads=(KAFKA, DEVICES),
         writes=(BRONZE, QUARANTINE, SILVER),
         purpose="every record once into bronze; each distinct reading once into silver (state-store "
-        "deduplication within the watermark, silver looked up beyond it), enriched; what failed parsing or names "
-        "an unregistered device quarantined with the reason",
+        "deduplication), enriched; what failed parsing or names an unregistered device quarantined with the reason",
         budget=Budget.ARRIVAL,
         weight=4,
+    ),
+    Node(
+        LATE_ARRIVALS_QUERY,
+        reads=(BRONZE, DEVICES, SILVER),
+        writes=(SILVER,),
+        purpose="readings Kafka delivered later than the watermark, looked up in silver",
+        budget=Budget.WATERMARK,
     ),
     Node(
         FINAL_WINDOWS_QUERY,
@@ -146,9 +153,6 @@ TOPOLOGY: tuple[Node, ...] = (
 RETIRED_QUERIES: tuple[str, ...] = ("bronze", "silver")
 """Queries of earlier versions that the ingest query replaced (a bronze query reading Kafka, a silver query
 reading bronze)."""
-RETIRED_SILVER_WRITERS: tuple[str, ...] = ("late_arrivals",)
-"""Queries of earlier versions that landed in silver readings of bronze, now the ingest query's part: the
-late arrivals, which looked up the readings Kafka delivered later than the watermark."""
 
 
 def retired_checkpoints(settings: Settings) -> list[str]:
@@ -158,16 +162,6 @@ def retired_checkpoints(settings: Settings) -> list[str]:
     if root is None or (root / INGEST_QUERY.name).exists():
         return []
     return [name for name in RETIRED_QUERIES if (root / name / "commits").is_dir()]
-
-
-def retired_silver_writers(settings: Settings) -> list[str]:
-    """The retired writers of silver whose local checkpoints the lake still has. What they had not yet read of
-    bronze when they last ran is in no table, and nothing reads bronze for them any more: only a backfill,
-    which rebuilds silver from bronze, lands it (``pipeline.backfill``, which removes these checkpoints)."""
-    root = local_directory(settings.checkpoint_root)
-    if root is None:
-        return []
-    return [name for name in RETIRED_SILVER_WRITERS if (root / name).is_dir()]
 
 
 def outdated_checkpoints(settings: Settings) -> list[str]:
@@ -256,6 +250,6 @@ def pool_weights() -> dict[str, int]:
     """Each query's fair-scheduler pool and its weight (``Node.weight``), for ``iotmon.spark.spark_session``.
 
     A query's jobs run in a pool named after it; with every core busy, a pool gets its weight's share. The
-    queries whose tables are due within seconds weigh most; the final windows, whose work can wait a trigger,
-    least."""
+    queries whose tables are due within seconds weigh most; the final windows and late arrivals, whose work
+    can wait a trigger, least."""
     return {n.name: n.weight for n in TOPOLOGY}

@@ -15,9 +15,9 @@ the cache equal those computed from silver, and from the whole archive. Whatever
 does not hold (the scorer's first batch after a start, a device it has not seen, a reading older than what it
 keeps, such as one Kafka delivered beyond the watermark) is read from silver first, in one read for the batch,
 and to silver's end: a scorer restarted from its checkpoint has not had the readings its previous run scored,
-and a first batch holding only a reading far older than them (an ingest commit whose only new reading Kafka
-delivered beyond the watermark) would otherwise leave the device's history without them. A replayed batch
-starts with an empty cache and reads silver: the same features.
+and a first batch holding only a reading far older than them (a late-arrivals commit) would otherwise leave
+the device's history without them. A replayed batch starts with an empty cache and reads silver: the same
+features.
 """
 
 from __future__ import annotations

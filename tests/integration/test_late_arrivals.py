@@ -1,10 +1,8 @@
-"""Readings Kafka delivered later than the watermark reach silver through the ingest writer's lookup, once each,
-and a second writer of silver fails the ingest batch instead of duplicating a reading."""
+"""The late-arrivals and ingest queries share silver: a commit of one that lands while the other looks silver up
+makes the other's append refused, and the lookup is done again instead of failing the query."""
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import threading
 
 import pyarrow as pa
@@ -13,88 +11,22 @@ from pyspark.sql import SparkSession
 
 from ingest import landing
 from iotmon.config import Settings
-from iotmon.kafka import ensure_topic, make_producer
-from iotmon.lake import StaleRead, append_once, ledger_for
-from iotmon.schema import BRONZE, DEVICES, DEVICES_SCHEMA, INGEST, LATE, ON_TIME, SILVER, TOO_LATE
-from pipeline.stream import drain_until_idle
-from pipeline.topology import ensure_tables
+from iotmon.lake import append_once, create_table, ledger_for
+from iotmon.schema import SILVER, SILVER_SCHEMA, TOO_LATE
 from tests.readings import silver_frame, silver_row
 
 pytestmark = pytest.mark.integration
 
-TOO_LATE_S = 600.0
-"""A delivery ten minutes after the reading: beyond the default watermark of two minutes."""
-T0 = dt.datetime.now(dt.UTC).replace(tzinfo=None, microsecond=0) - dt.timedelta(hours=1)
 
-
-def _at(seconds: float) -> dt.datetime:
-    return T0 + dt.timedelta(seconds=seconds)
-
-
-def _publish(settings: Settings, sends: list[tuple[str, int, float, float]]) -> None:
-    """Readings ``(device, seq, event seconds after T0, delivery delay seconds)`` to Kafka, in this order, each
-    with the Kafka time stamp of its delivery."""
-    producer = make_producer(settings)
-    for device, seq, seconds, delay_s in sends:
-        payload = {"device_id": device, "seq": seq, "event_time": _at(seconds).isoformat() + "Z", "temperature": 20.0}
-        payload |= {"humidity": 40.0, "vibration": 2.0, "pressure": 101.0, "battery": 90.0, "firmware": "1.0"}
-        millis = int(_at(seconds + delay_s).replace(tzinfo=dt.UTC).timestamp() * 1000)
-        producer.produce(settings.topic, value=json.dumps(payload).encode(), key=device.encode(), timestamp=millis)
-    assert producer.flush(30) == 0
-
-
-def _silver(spark: SparkSession, settings: Settings) -> dict[tuple[str, int], list[tuple[str, dt.datetime]]]:
-    """Silver's copies of each reading: (lateness, Kafka time stamp) by (device, seq)."""
-    copies: dict[tuple[str, int], list[tuple[str, dt.datetime]]] = {}
-    for row in spark.read.format("delta").load(settings.table_path(SILVER)).collect():
-        copies.setdefault((row["device_id"], row["seq"]), []).append((row["lateness"], row["kafka_timestamp"]))
-    return copies
-
-
-def test_the_ingest_query_lands_each_reading_later_than_the_watermark_once(
-    spark: SparkSession, isolated: Settings
+@pytest.mark.parametrize("writer", ["late_arrivals", "ingest"])
+def test_a_lookup_the_other_writers_commit_made_stale_is_done_again(
+    spark: SparkSession, isolated: Settings, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
-    ensure_topic(isolated)
-    ensure_tables(spark, isolated)
-    devices = spark.createDataFrame([("dev-a", "pump", "site-1", "P-100", dt.date(2026, 1, 1))], DEVICES_SCHEMA)
-    devices.write.format("delta").mode("append").save(isolated.table_path(DEVICES))
-    earlier = silver_row("dev-a", 1, 0, event_time=_at(0), kafka_timestamp=_at(0.1))
-    append_once(silver_frame(spark, [earlier]), isolated.table_path(SILVER), ledger_for("an-earlier-writer"), 0)
-    sends = [
-        ("dev-a", 1, 0, TOO_LATE_S),  # silver holds it already
-        ("dev-a", 2, 60, 0.5),  # first seen by the state ...
-        ("dev-a", 2, 60, TOO_LATE_S),  # ... and a copy too late for the state, in the same batch
-        ("dev-a", 3, 120, TOO_LATE_S + 100),  # two too-late copies of a reading silver lacks: the first wins
-        ("dev-a", 3, 120, TOO_LATE_S),
-        ("dev-a", 4, 180, 5.0),  # late, within the watermark
-    ]
-    _publish(isolated, sends)
-    assert drain_until_idle(spark, isolated, [SILVER]) == {INGEST: len(sends)}  # one batch
-
-    assert spark.read.format("delta").load(isolated.table_path(BRONZE)).count() == len(sends)
-    assert _silver(spark, isolated) == {
-        ("dev-a", 1): [(ON_TIME, _at(0.1))],
-        ("dev-a", 2): [(ON_TIME, _at(60.5))],
-        ("dev-a", 3): [(TOO_LATE, _at(120 + TOO_LATE_S))],
-        ("dev-a", 4): [(LATE, _at(185))],
-    }
-
-    # A later batch's too-late copy of a reading an earlier batch looked up and landed: silver answers for it.
-    _publish(isolated, [("dev-a", 3, 120, TOO_LATE_S + 200)])
-    drain_until_idle(spark, isolated, [SILVER])
-    assert _silver(spark, isolated)[("dev-a", 3)] == [(TOO_LATE, _at(120 + TOO_LATE_S))]
-    assert spark.read.format("delta").load(isolated.table_path(BRONZE)).count() == len(sends) + 1
-
-
-def test_a_second_writer_committing_between_the_lookup_and_the_append_fails_the_batch(
-    spark: SparkSession, isolated: Settings, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The ingest writer looks readings up, another writer commits reading 2 while the append is held: the
-    append is refused (``StaleRead``), and the batch run again looks silver up anew."""
+    """Each writer of silver looks readings up (late arrivals: all of them; ingest: those behind the
+    watermark, beside its new ones); the other one commits reading 2 while the first append is held."""
     silver = isolated.table_path(SILVER)
-    landing.ensure_landing_tables(spark, isolated)
-    looked_up = silver_frame(spark, [silver_row("dev-a", seq, seq, lateness=TOO_LATE) for seq in (1, 2, 3)]).toArrow()
-    new = silver_frame(spark, [silver_row("dev-b", 1, 1)]).toArrow()  # first seen by the state: no lookup
+    create_table(spark, silver, SILVER_SCHEMA, "silver, fed by the test")
+    looked_up = silver_frame(spark, [silver_row("dev-a", seq, seq, lateness=TOO_LATE) for seq in (1, 2, 3)])
     started, go = threading.Event(), threading.Event()
     appends: list[int] = []
     real_append = landing.append_once
@@ -115,13 +47,15 @@ def test_a_second_writer_committing_between_the_lookup_and_the_append_fails_the_
     monkeypatch.setattr(landing, "append_once", append_held_once)
     other = threading.Thread(target=other_commits_reading_2, daemon=True)
     other.start()
-    ledger = ledger_for("test-ingest")
-    with pytest.raises(StaleRead):
-        landing.append_to_silver(isolated, ledger, 0, new, looked_up, spark)
+    if writer == "late_arrivals":
+        landing.write_late_arrivals(isolated, ledger_for("test-writer"))(looked_up, 0)
+    else:
+        new = silver_frame(spark, [silver_row("dev-b", 1, 1)]).toArrow()  # first seen by the state: no lookup
+        landing.append_to_silver(isolated, ledger_for("test-writer"), 0, new, looked_up.toArrow(), spark)
     other.join(60)
-    landing.append_to_silver(isolated, ledger, 0, new, looked_up, spark)  # the batch's replay
 
-    # The refused append wrote nothing; the replay's lookup saw reading 2.
-    assert appends == [4, 3]
-    counts = {(device, seq): len(copies) for (device, seq), copies in _silver(spark, isolated).items()}
-    assert counts == {("dev-a", 1): 1, ("dev-a", 2): 1, ("dev-a", 3): 1, ("dev-b", 1): 1}
+    # The first append lost to the other commit and was not retried blindly: the second lookup saw reading 2.
+    assert appends == ([3, 2] if writer == "late_arrivals" else [4, 3])
+    rows = spark.read.format("delta").load(silver).groupBy("device_id", "seq").count().collect()
+    expected = [("dev-a", 1, 1), ("dev-a", 2, 1), ("dev-a", 3, 1)] + ([("dev-b", 1, 1)] if writer == "ingest" else [])
+    assert sorted((row["device_id"], row["seq"], row["count"]) for row in rows) == expected

@@ -141,7 +141,7 @@ def test_a_silver_read_that_finds_nothing_leaves_the_batch_its_own_lookback() ->
 @pytest.mark.parametrize("ahead", [False, True], ids=["silver-as-of-the-batch", "silver-ahead-of-the-batch"])
 def test_a_restart_whose_first_batch_is_an_old_reading_alone_misses_nothing_after_it(ahead: bool) -> None:
     """A scorer restarted from its checkpoint starts with an empty history. If its first batch holds only a
-    reading Kafka delivered far beyond the watermark (an ingest commit with no other new reading), silver is read for
+    reading Kafka delivered far beyond the watermark (a late-arrivals commit of its own), silver is read for
     that reading's lookback; the device's readings after it, which the previous run scored, are in silver
     too, and the next batches' features need them (seen in a demo whose drain restarted the scorer)."""
     archive = _archive()

@@ -16,14 +16,13 @@ from iotmon.schema import (
     DEVICE_STATUS,
     DEVICE_WINDOWS,
     INGEST,
+    LATE_ARRIVALS,
     QUARANTINE,
     SILVER,
 )
-from pipeline.backfill import RESET_QUERIES
 from pipeline.stream import run_stream
 from pipeline.topology import (
     KAFKA,
-    RETIRED_SILVER_WRITERS,
     TOPOLOGY,
     Budget,
     downstream_of,
@@ -32,7 +31,6 @@ from pipeline.topology import (
     outdated_checkpoints,
     queries,
     retired_checkpoints,
-    retired_silver_writers,
     trigger_of,
     triggers_line,
     upstream_of,
@@ -48,24 +46,21 @@ def test_one_query_reads_kafka_and_writes_the_three_landing_tables() -> None:
 
 
 def test_queries_producing_a_table_include_what_is_upstream_of_it() -> None:
-    assert [q.name for q in queries([SILVER])] == [INGEST]
+    assert [q.name for q in queries([SILVER])] == [INGEST, LATE_ARRIVALS]
     assert INGEST in {q.name for q in queries([DEVICE_WINDOWS])}
 
 
 def test_a_draining_query_waits_for_every_query_writing_what_it_streams_from() -> None:
     assert upstream_of(INGEST) == ()
-    assert upstream_of(DEVICE_STATUS) == upstream_of(DEVICE_WINDOWS) == (INGEST,)
-    assert upstream_of(ALERTS) == (INGEST, ANOMALIES)
+    assert upstream_of(LATE_ARRIVALS) == (INGEST,)
+    # Silver has two writers: a silver reader started before the late arrivals drained would need a second batch.
+    assert upstream_of(DEVICE_STATUS) == upstream_of(DEVICE_WINDOWS) == (INGEST, LATE_ARRIVALS)
+    assert upstream_of(ALERTS) == (INGEST, LATE_ARRIVALS, ANOMALIES)
 
 
-def test_silver_has_one_writer() -> None:
-    assert [n.name for n in TOPOLOGY if SILVER in n.writes] == [INGEST]
-    assert downstream_of(BRONZE) == ()  # bronze is the archive: no query reads it
-
-
-def test_a_backfill_resets_what_reads_silver_and_the_retired_writers_but_not_the_ingest_query() -> None:
-    assert set(RESET_QUERIES) == {*downstream_of(SILVER), *RETIRED_SILVER_WRITERS}
-    assert DEVICE_WINDOWS in RESET_QUERIES and ALERTS in RESET_QUERIES and INGEST not in RESET_QUERIES
+def test_a_backfill_resets_what_reads_bronze_but_not_the_ingest_query() -> None:
+    reset = downstream_of(BRONZE)
+    assert LATE_ARRIVALS in reset and DEVICE_WINDOWS in reset and INGEST not in reset
 
 
 def test_checkpoints_of_the_retired_bronze_and_silver_queries_are_found(tmp_path: Path) -> None:
@@ -77,15 +72,6 @@ def test_checkpoints_of_the_retired_bronze_and_silver_queries_are_found(tmp_path
     assert retired_checkpoints(settings) == ["bronze", "silver"]
     (root / INGEST).mkdir()  # this version has run here: the old folders are left over, not resumed
     assert retired_checkpoints(settings) == []
-
-
-def test_checkpoints_of_a_retired_writer_of_silver_are_found_beside_an_ingest_checkpoint(tmp_path: Path) -> None:
-    settings = Settings(home=tmp_path)
-    root = Path(settings.checkpoint_root)
-    (root / INGEST / "commits").mkdir(parents=True)
-    assert retired_silver_writers(settings) == []
-    (root / "late_arrivals" / "offsets").mkdir(parents=True)  # a batch planned is a batch it may not have landed
-    assert retired_silver_writers(settings) == ["late_arrivals"]
 
 
 def _operator_metadata(checkpoint: Path, batch: int, *state_variables: str) -> None:
@@ -116,14 +102,6 @@ def test_a_stream_refuses_to_start_on_state_of_an_earlier_version(tmp_path: Path
     settings = Settings(home=tmp_path)
     _operator_metadata(Path(settings.checkpoint_path(DEVICE_STATUS)), 3, "device")
     with pytest.raises(ConfigError, match=r"state an earlier version kept differently \(device_status\).*backfill"):
-        run_stream(settings, threading.Event())  # before it touches Kafka or Spark
-
-
-def test_a_stream_refuses_to_start_beside_the_checkpoint_of_a_retired_writer_of_silver(tmp_path: Path) -> None:
-    settings = Settings(home=tmp_path)
-    (Path(settings.checkpoint_path(INGEST)) / "commits").mkdir(parents=True)
-    (Path(settings.checkpoint_root) / "late_arrivals" / "commits").mkdir(parents=True)
-    with pytest.raises(ConfigError, match=r"queries this version retired \(late_arrivals\).*iotmon backfill"):
         run_stream(settings, threading.Event())  # before it touches Kafka or Spark
 
 
