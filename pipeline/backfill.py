@@ -6,7 +6,9 @@ commit (readers see the old table or the new one, never a mix), and the downstre
 reset so the stream resumes on top of the rebuilt tables:
 
 * the late-arrivals query resumes after the bronze version the backfill read (``iotmon.bronzeVersion`` on
-  silver); the ingest query, which reads Kafka, goes on appending to the rebuilt silver;
+  silver); the ingest query, which reads Kafka, goes on appending to the rebuilt silver, whose commit carries
+  the ingest query's ledger tag of the last batch bronze holds: a batch killed between its bronze and silver
+  commits is replayed after the backfill without landing its readings twice;
 * the gold queries re-derive their state from the rebuilt silver and skip final rows the backfill
   already wrote (``iotmon.finalThrough`` on ``device_windows``), so nothing is written twice;
 * device status is cleared and re-derived by its query from silver.
@@ -39,6 +41,7 @@ from ingest.silver import (
     silver_rows,
 )
 from iotmon.config import Settings, interval_seconds
+from iotmon.lake import BatchLedger, commit_tag, last_tagged_batch
 from iotmon.logs import say
 from iotmon.schema import (
     ALERTS,
@@ -49,6 +52,7 @@ from iotmon.schema import (
     DEVICE_WINDOWS,
     DEVICES,
     EVENT_TIME,
+    INGEST,
     LIVE_WINDOWS,
     QUARANTINE,
     SILVER,
@@ -83,9 +87,28 @@ class BackfillResult:
         return "\n".join(lines)
 
 
-def _replace(frame: DataFrame, path: str) -> int:
-    frame.write.format("delta").mode("overwrite").save(path)
+def _replace(frame: DataFrame, path: str, tag: str | None = None) -> int:
+    writer = frame.write.format("delta").mode("overwrite")
+    if tag is not None:
+        writer = writer.option("userMetadata", tag)
+    writer.save(path)
     return DeltaTable.forPath(frame.sparkSession, path).toDF().count()
+
+
+def ingest_tag(spark: SparkSession, settings: Settings) -> str | None:
+    """The ingest query's ledger tag (``iotmon.lake.BatchLedger``) of the last batch bronze holds, for silver's
+    rebuilt commit; None before the query has landed a batch.
+
+    Silver rebuilt from bronze holds every reading of every batch bronze holds. An ingest batch killed after
+    its bronze commit and before its silver one is replayed when the stream resumes: its state says its
+    readings are new, so without the tag it would append them to the rebuilt silver a second time."""
+    ledger = BatchLedger(settings.checkpoint_path(INGEST))
+    try:
+        app_id = ledger.identify(spark)
+    except FileNotFoundError:
+        return None
+    batch = last_tagged_batch(spark, settings.table_path(BRONZE), app_id, ledger.not_before_ms)
+    return commit_tag(app_id, batch) if batch >= 0 else None
 
 
 def _set_property(spark: SparkSession, path: str, key: str, value: str) -> None:
@@ -114,7 +137,8 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
 
     step(f"silver from bronze version {bronze_version}")
     classified = classify_readings(bronze, devices, LatenessRules.from_settings(settings)).localCheckpoint()
-    result.rows[SILVER] = _replace(distinct_readings(silver_rows(classified)), table(SILVER))
+    silver_tag = ingest_tag(spark, settings)
+    result.rows[SILVER] = _replace(distinct_readings(silver_rows(classified)), table(SILVER), silver_tag)
     _set_property(spark, table(SILVER), BRONZE_VERSION, str(bronze_version))
     # Silver's rejects are re-derived too (the registry may have changed); bronze's own stay as they are.
     (

@@ -1,8 +1,12 @@
-"""The late-arrivals and ingest queries share silver: a commit of one that lands while the other looks silver up
-makes the other's append refused, and the lookup is done again instead of failing the query."""
+"""Silver's two writers: readings Kafka delivered later than the watermark reach silver once each, however their
+copies fall between the ingest and late-arrivals queries; a commit of one writer that lands while the other
+looks silver up makes the other's append refused, and the lookup is done again instead of failing the query;
+an ingest batch killed between its bronze and silver commits, replayed after a backfill, lands nothing twice."""
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import threading
 
 import pyarrow as pa
@@ -11,11 +15,100 @@ from pyspark.sql import SparkSession
 
 from ingest import landing
 from iotmon.config import Settings
+from iotmon.kafka import ensure_topic, make_producer
 from iotmon.lake import append_once, create_table, ledger_for
-from iotmon.schema import SILVER, SILVER_SCHEMA, TOO_LATE
+from iotmon.queries import QueryFailed
+from iotmon.schema import (
+    BRONZE,
+    DEVICES,
+    DEVICES_SCHEMA,
+    INGEST,
+    LATE,
+    LATE_ARRIVALS,
+    ON_TIME,
+    SILVER,
+    SILVER_SCHEMA,
+    TOO_LATE,
+)
+from pipeline.backfill import backfill
+from pipeline.stream import drain_until_idle
+from pipeline.topology import ensure_tables
 from tests.readings import silver_frame, silver_row
 
 pytestmark = pytest.mark.integration
+
+TOO_LATE_S = 600.0
+"""A delivery ten minutes after the reading: beyond the default watermark of two minutes."""
+T0 = dt.datetime.now(dt.UTC).replace(tzinfo=None, microsecond=0) - dt.timedelta(hours=1)
+
+
+def _at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def _publish(settings: Settings, sends: list[tuple[str, int, float, float]]) -> None:
+    """Readings ``(device, seq, event seconds after T0, delivery delay seconds)`` to Kafka, in this order, each
+    with the Kafka time stamp of its delivery."""
+    producer = make_producer(settings)
+    for device, seq, seconds, delay_s in sends:
+        payload = {"device_id": device, "seq": seq, "event_time": _at(seconds).isoformat() + "Z", "temperature": 20.0}
+        payload |= {"humidity": 40.0, "vibration": 2.0, "pressure": 101.0, "battery": 90.0, "firmware": "1.0"}
+        millis = int(_at(seconds + delay_s).replace(tzinfo=dt.UTC).timestamp() * 1000)
+        producer.produce(settings.topic, value=json.dumps(payload).encode(), key=device.encode(), timestamp=millis)
+    assert producer.flush(30) == 0
+
+
+def _silver(spark: SparkSession, settings: Settings) -> dict[tuple[str, int], list[tuple[str, dt.datetime]]]:
+    """Silver's copies of each reading: (lateness, Kafka time stamp) by (device, seq)."""
+    copies: dict[tuple[str, int], list[tuple[str, dt.datetime]]] = {}
+    for row in spark.read.format("delta").load(settings.table_path(SILVER)).collect():
+        copies.setdefault((row["device_id"], row["seq"]), []).append((row["lateness"], row["kafka_timestamp"]))
+    return copies
+
+
+def _lake(spark: SparkSession, settings: Settings) -> None:
+    """The topic and the tables, with dev-a registered."""
+    ensure_topic(settings)
+    ensure_tables(spark, settings)
+    devices = spark.createDataFrame([("dev-a", "pump", "site-1", "P-100", dt.date(2026, 1, 1))], DEVICES_SCHEMA)
+    devices.write.format("delta").mode("append").save(settings.table_path(DEVICES))
+
+
+def _rows(spark: SparkSession, settings: Settings, table: str) -> int:
+    return spark.read.format("delta").load(settings.table_path(table)).count()
+
+
+def test_the_ingest_query_lands_each_reading_later_than_the_watermark_once(
+    spark: SparkSession, isolated: Settings
+) -> None:
+    _lake(spark, isolated)
+    earlier = silver_row("dev-a", 1, 0, event_time=_at(0), kafka_timestamp=_at(0.1))
+    append_once(silver_frame(spark, [earlier]), isolated.table_path(SILVER), ledger_for("an-earlier-writer"), 0)
+    sends = [
+        ("dev-a", 1, 0, TOO_LATE_S),  # silver holds it already
+        ("dev-a", 2, 60, 0.5),  # first seen by the state ...
+        ("dev-a", 2, 60, TOO_LATE_S),  # ... and a copy too late for the state, in the same batch
+        ("dev-a", 3, 120, TOO_LATE_S + 100),  # two too-late copies of a reading silver lacks: the first wins
+        ("dev-a", 3, 120, TOO_LATE_S),
+        ("dev-a", 4, 180, 5.0),  # late, within the watermark
+    ]
+    _publish(isolated, sends)
+    drained = drain_until_idle(spark, isolated, [SILVER])
+    assert drained == {INGEST: len(sends), LATE_ARRIVALS: len(sends)}  # one batch each
+
+    assert spark.read.format("delta").load(isolated.table_path(BRONZE)).count() == len(sends)
+    assert _silver(spark, isolated) == {
+        ("dev-a", 1): [(ON_TIME, _at(0.1))],
+        ("dev-a", 2): [(ON_TIME, _at(60.5))],
+        ("dev-a", 3): [(TOO_LATE, _at(120 + TOO_LATE_S))],
+        ("dev-a", 4): [(LATE, _at(185))],
+    }
+
+    # A later batch's too-late copy of a reading an earlier batch looked up and landed: silver answers for it.
+    _publish(isolated, [("dev-a", 3, 120, TOO_LATE_S + 200)])
+    drain_until_idle(spark, isolated, [SILVER])
+    assert _silver(spark, isolated)[("dev-a", 3)] == [(TOO_LATE, _at(120 + TOO_LATE_S))]
+    assert spark.read.format("delta").load(isolated.table_path(BRONZE)).count() == len(sends) + 1
 
 
 @pytest.mark.parametrize("writer", ["late_arrivals", "ingest"])
@@ -59,3 +152,28 @@ def test_a_lookup_the_other_writers_commit_made_stale_is_done_again(
     rows = spark.read.format("delta").load(silver).groupBy("device_id", "seq").count().collect()
     expected = [("dev-a", 1, 1), ("dev-a", 2, 1), ("dev-a", 3, 1)] + ([("dev-b", 1, 1)] if writer == "ingest" else [])
     assert sorted((row["device_id"], row["seq"], row["count"]) for row in rows) == expected
+
+
+def test_a_batch_killed_between_bronze_and_silver_and_replayed_after_a_backfill_lands_its_readings_once(
+    spark: SparkSession, isolated: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _lake(spark, isolated)
+    _publish(isolated, [("dev-a", seq, 2 * seq, 0.5) for seq in range(1, 11)])
+    drain_until_idle(spark, isolated, [SILVER])
+    _publish(isolated, [("dev-a", seq, 2 * seq, 0.5) for seq in range(11, 21)])
+
+    def killed(*args: object, **options: object) -> None:
+        raise RuntimeError("killed between the bronze and the silver commit")
+
+    monkeypatch.setattr(landing, "append_to_silver", killed)
+    with pytest.raises(QueryFailed, match="killed between the bronze and the silver commit"):
+        drain_until_idle(spark, isolated, [SILVER])
+    monkeypatch.undo()
+    assert (_rows(spark, isolated, BRONZE), _rows(spark, isolated, SILVER)) == (20, 10)
+
+    backfill(spark, isolated)  # silver rebuilt from bronze holds the killed batch's readings
+    assert _rows(spark, isolated, SILVER) == 20
+    assert drain_until_idle(spark, isolated, [SILVER])[INGEST] == 10  # the killed batch, replayed
+    counts = {key: len(copies) for key, copies in _silver(spark, isolated).items()}
+    assert counts == {("dev-a", seq): 1 for seq in range(1, 21)}
+    assert _rows(spark, isolated, BRONZE) == 20
