@@ -108,8 +108,11 @@ def tagged_batch(user_metadata: str | None, app_id: str) -> int | None:
     return None
 
 
-def last_tagged_batch(spark: SparkSession, path: str, app_id: str, not_before_ms: int) -> int:
-    """The highest batch of ``app_id`` that the table at ``path`` holds, from its newest commits; -1 if none.
+def last_tagged_batch(
+    spark: SparkSession, path: str, app_id: str, not_before_ms: int, through_version: int | None = None
+) -> int:
+    """The highest batch of ``app_id`` that the table at ``path`` holds (at ``through_version``, by default its
+    newest), from its newest commits; -1 if none.
 
     Commits are read newest first until one carries the app's tag (a writer's batches are committed in
     order, so its newest tagged commit holds its last batch) or until commits older than ``not_before_ms``,
@@ -120,7 +123,9 @@ def last_tagged_batch(spark: SparkSession, path: str, app_id: str, not_before_ms
         for name in (p.rsplit("/", 1)[-1] for p in list_files(spark, f"{path.rstrip('/')}/_delta_log", ".json"))
         if name.removesuffix(".json").isdigit()
     )
-    for _, name in reversed(commits):
+    for version, name in reversed(commits):
+        if through_version is not None and version > through_version:
+            continue
         text = read_text(spark, f"{path.rstrip('/')}/_delta_log/{name}") or ""
         info = _commit_info(text)
         batch = tagged_batch(info.get("userMetadata"), app_id)

@@ -95,9 +95,9 @@ def _replace(frame: DataFrame, path: str, tag: str | None = None) -> int:
     return DeltaTable.forPath(frame.sparkSession, path).toDF().count()
 
 
-def ingest_tag(spark: SparkSession, settings: Settings) -> str | None:
-    """The ingest query's ledger tag (``iotmon.lake.BatchLedger``) of the last batch bronze holds, for silver's
-    rebuilt commit; None before the query has landed a batch.
+def ingest_tag(spark: SparkSession, settings: Settings, bronze_version: int) -> str | None:
+    """The ingest query's ledger tag (``iotmon.lake.BatchLedger``) of the last batch bronze holds at
+    ``bronze_version``, for silver's rebuilt commit; None before the query has landed a batch.
 
     Silver rebuilt from bronze holds every reading of every batch bronze holds. An ingest batch killed after
     its bronze commit and before its silver one is replayed when the stream resumes: its state says its
@@ -107,7 +107,7 @@ def ingest_tag(spark: SparkSession, settings: Settings) -> str | None:
         app_id = ledger.identify(spark)
     except FileNotFoundError:
         return None
-    batch = last_tagged_batch(spark, settings.table_path(BRONZE), app_id, ledger.not_before_ms)
+    batch = last_tagged_batch(spark, settings.table_path(BRONZE), app_id, ledger.not_before_ms, bronze_version)
     return commit_tag(app_id, batch) if batch >= 0 else None
 
 
@@ -137,7 +137,7 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
 
     step(f"silver from bronze version {bronze_version}")
     classified = classify_readings(bronze, devices, LatenessRules.from_settings(settings)).localCheckpoint()
-    silver_tag = ingest_tag(spark, settings)
+    silver_tag = ingest_tag(spark, settings, bronze_version)
     result.rows[SILVER] = _replace(distinct_readings(silver_rows(classified)), table(SILVER), silver_tag)
     _set_property(spark, table(SILVER), BRONZE_VERSION, str(bronze_version))
     # Silver's rejects are re-derived too (the registry may have changed); bronze's own stay as they are.
