@@ -78,9 +78,7 @@ def _rows(spark: SparkSession, settings: Settings, table: str) -> int:
     return spark.read.format("delta").load(settings.table_path(table)).count()
 
 
-def test_the_ingest_query_lands_each_reading_later_than_the_watermark_once(
-    spark: SparkSession, isolated: Settings
-) -> None:
+def test_each_reading_later_than_the_watermark_lands_in_silver_once(spark: SparkSession, isolated: Settings) -> None:
     _lake(spark, isolated)
     earlier = silver_row("dev-a", 1, 0, event_time=_at(0), kafka_timestamp=_at(0.1))
     append_once(silver_frame(spark, [earlier]), isolated.table_path(SILVER), ledger_for("an-earlier-writer"), 0)
