@@ -94,7 +94,7 @@ def test_each_reading_later_than_the_watermark_lands_in_silver_once(spark: Spark
     drained = drain_until_idle(spark, isolated, [SILVER])
     assert drained == {INGEST: len(sends), LATE_ARRIVALS: len(sends)}  # one batch each
 
-    assert spark.read.format("delta").load(isolated.table_path(BRONZE)).count() == len(sends)
+    assert _rows(spark, isolated, BRONZE) == len(sends)
     assert _silver(spark, isolated) == {
         ("dev-a", 1): [(ON_TIME, _at(0.1))],
         ("dev-a", 2): [(ON_TIME, _at(60.5))],
@@ -106,7 +106,7 @@ def test_each_reading_later_than_the_watermark_lands_in_silver_once(spark: Spark
     _publish(isolated, [("dev-a", 3, 120, TOO_LATE_S + 200)])
     drain_until_idle(spark, isolated, [SILVER])
     assert _silver(spark, isolated)[("dev-a", 3)] == [(TOO_LATE, _at(120 + TOO_LATE_S))]
-    assert spark.read.format("delta").load(isolated.table_path(BRONZE)).count() == len(sends) + 1
+    assert _rows(spark, isolated, BRONZE) == len(sends) + 1
 
 
 @pytest.mark.parametrize("writer", ["late_arrivals", "ingest"])
