@@ -38,6 +38,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -65,6 +66,8 @@ _NOISE_PER_JUMP = math.sqrt(math.pi) / 2
 """For white noise E|x_t - x_t-1| = 2 sigma / sqrt(pi)."""
 _PREVIOUS = max(REPEAT_DEPTH, SPREAD_DEPTH - 1)
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_Micros = TypeVar("_Micros", int, np.ndarray)
+"""Epoch microseconds: one, or an array of them."""
 
 
 def _epoch_us(moment: dt.datetime) -> int:
@@ -97,7 +100,7 @@ class FeatureSpec:
     def settle_us(self) -> int:
         return round(self.settle_s * 1_000_000)
 
-    def lookback_start_us(self, first_us: int) -> int:
+    def lookback_start_us(self, first_us: _Micros) -> _Micros:
         """Where the readings a feature from ``first_us`` on depends on begin: the start of the bucket holding
         ``first_us - lookback``, so that every window sum sees whole buckets."""
         return (first_us - 3 * self.history_us) // self.history_us * self.history_us

@@ -12,12 +12,19 @@ reached Kafka before it: same device, so same partition, so the same or an earli
 gets silver's commits whole (each is one file, ``iotmon.lake.append_once``, and a Delta source splits its
 batches between files), so all of them were in the cache or in the reading's own batch; features computed from
 the cache equal those computed from silver, and from the whole archive. Whatever a batch needs that the cache
-does not hold (the scorer's first batch after a start, a device it has not seen, a reading older than what it
-keeps, such as one Kafka delivered beyond the watermark) is read from silver first, in one read for the batch,
-and to silver's end: a scorer restarted from its checkpoint has not had the readings its previous run scored,
-and a first batch holding only a reading far older than them (a late-arrivals commit) would otherwise leave
-the device's history without them. A replayed batch starts with an empty cache and reads silver: the same
-features.
+does not hold is read from silver first, in one read for the batch:
+
+- a device the cache has not seen (the scorer's first batch after a start, a new device), from the lookback of
+  its batch's readings to silver's end: a scorer restarted from its checkpoint has not had the readings its
+  previous run scored, and a first batch holding only a reading far older than them (a late-arrivals commit)
+  would otherwise leave the device's history without them;
+- a *straggler*, a reading whose lookback starts before what the cache holds of its device (one Kafka delivered
+  beyond the watermark, minutes behind the device's newest), from its lookback to itself only: its features are
+  computed from that read, and neither the read nor the reading enters the cache, which goes on from where it
+  was. Read to silver's end and merged into the cache, as the scorer did before, each such reading cost its
+  device's readings of the 6 to 20 minutes since, trimmed again at the batch's end (docs/cost-model.md).
+
+A replayed batch starts with an empty cache and reads silver: the same features.
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ from ml.features import FEATURE_COLUMNS, FeatureSpec, Judgements, device_feature
 
 FEATURE_INPUTS: tuple[str, ...] = (DEVICE_ID, SEQ, EVENT_TIME, *METRIC_NAMES, LATENESS)
 """The silver columns a reading's features are computed from."""
-SilverReader = Callable[[Mapping[str, int]], pa.Table]
-"""Reads silver's ``FEATURE_INPUTS`` rows of each given device from the given epoch microsecond on (all silver
-holds from then, however new)."""
+SilverRanges = Mapping[str, tuple[int, int | None]]
+"""Per device, the epoch microseconds from which (inclusive) and through which (inclusive; ``None``: to silver's
+end, however new) its readings are wanted."""
+SilverReader = Callable[[SilverRanges], pa.Table]
+"""Reads silver's ``FEATURE_INPUTS`` rows of each given device in its range (at least those)."""
 
 
 @dataclass
@@ -141,49 +150,83 @@ class DeviceHistory:
         # The batch's rows device by device, each device's in (event time, seq) order.
         order = np.lexsort((seq, event_us, inverse))
         bounds = np.r_[0, np.cumsum(np.bincount(inverse, minlength=len(names)))]
-        firsts = event_us[order[bounds[:-1]]]
-        starts = {str(d): spec.lookback_start_us(int(first)) for d, first in zip(names, firsts, strict=True)}
-        missing = {d: s for d, s in starts.items() if d not in self.devices or self.devices[d].complete_from_us > s}
-        if missing:
-            self._load(read_silver(missing), missing)
+        # A reading of a device the history holds whose lookback starts before what it holds is a straggler.
+        held_from = np.array([self._held_from(str(d)) for d in names], dtype=np.int64)
+        stragglers = spec.lookback_start_us(event_us) < held_from[inverse]
+        rows_of = {str(d): order[bounds[i] : bounds[i + 1]] for i, d in enumerate(names)}
+        wanted: dict[str, tuple[int, int | None]] = {}
+        for device, rows in rows_of.items():
+            late = rows[stragglers[rows]]
+            if len(late):  # from the oldest one's lookback to the newest one
+                wanted[device] = (spec.lookback_start_us(int(event_us[late[0]])), int(event_us[late[-1]]))
+            elif device not in self.devices:  # from the batch's lookback to silver's end
+                wanted[device] = (spec.lookback_start_us(int(event_us[rows[0]])), None)
+        read = _Silver.of(read_silver(wanted)) if wanted else None
+        if read is not None:
+            self.silver_reads += 1
+            for device, (start, _) in wanted.items():
+                if device not in self.devices:
+                    self.devices[device] = read.readings(device, start)
         features = np.empty((batch.num_rows, len(METRIC_NAMES), len(FEATURE_COLUMNS)))
-        for i, name in enumerate(names):
-            device, rows = str(name), order[bounds[i] : bounds[i + 1]]
-            mine = columns.readings(rows, starts[device])
+        for device, rows in rows_of.items():
+            late, rows = rows[stragglers[rows]], rows[~stragglers[rows]]
+            if len(late) and read is not None:
+                start, through = wanted[device]
+                straggling = columns.readings(late, start)
+                features[late] = _features(read.readings(device, start, through).merged(straggling), straggling, spec)
+            if len(rows) == 0:
+                continue
+            mine = columns.readings(rows, spec.lookback_start_us(int(event_us[rows[0]])))
             mine.newest_scored_us = int(mine.event_us[-1])
             known = self.devices[device].merged(mine)
-            # Features only look back: what silver held beyond the batch's newest reading plays no part, and
-            # the judgements computed here stay with the readings for the next batches.
-            wanted = _positions(known, mine.event_us, mine.seq)
-            features[rows] = device_features(
-                known.event_us, known.values, known.on_time, spec, wanted, known.judgements
-            )
+            features[rows] = _features(known, mine, spec)
             self.devices[device] = known.since(self._horizon(known, spec))
         for m, metric in enumerate(METRIC_NAMES):
             fields = [pa.array(features[:, m, k]) for k in range(len(FEATURE_COLUMNS))]
             batch = batch.append_column(f"f_{metric}", pa.StructArray.from_arrays(fields, names=list(FEATURE_COLUMNS)))
         return batch
 
+    def _held_from(self, device: str) -> int:
+        """From when on the history holds all of ``device``'s readings (nothing held: from any time on)."""
+        held = self.devices.get(device)
+        return held.complete_from_us if held is not None else np.iinfo(np.int64).min
+
     def _horizon(self, readings: _Readings, spec: FeatureSpec) -> int:
         """Where a device's kept readings start (a bucket boundary): what the lookback of a reading as late as
         ``late_s`` behind the newest one scored reaches."""
         return spec.lookback_start_us(readings.newest_scored_us - self.late_us)
 
-    def _load(self, table: pa.Table, starts: Mapping[str, int]) -> None:
-        """Silver's readings of the ``starts`` devices, each complete from its start on."""
-        self.silver_reads += 1
-        devices, columns = table.column(DEVICE_ID).to_numpy(zero_copy_only=False), _Columns.of(table)
+
+@dataclass(frozen=True)
+class _Silver:
+    """What one silver read returned, device by device."""
+
+    columns: _Columns
+    rows: Mapping[str, np.ndarray]
+
+    @classmethod
+    def of(cls, table: pa.Table) -> _Silver:
+        devices = table.column(DEVICE_ID).to_numpy(zero_copy_only=False)
         order = np.argsort(devices, kind="stable")
         names, firsts = np.unique(devices[order], return_index=True)
         ends = [*firsts[1:].tolist(), len(order)][: len(names)]  # none at all for an empty table
-        bounds = {name: (first, end) for name, first, end in zip(names.tolist(), firsts.tolist(), ends, strict=True)}
-        for device, start in starts.items():
-            first, end = bounds.get(device, (0, 0))
-            rows = order[first:end]
-            rows = rows[columns.event_us[rows] >= start]
-            read = columns.readings(rows, start)
-            held = self.devices.get(device)
-            self.devices[device] = read if held is None else read.merged(held)
+        rows = {name: order[first:end] for name, first, end in zip(names.tolist(), firsts.tolist(), ends, strict=True)}
+        return cls(_Columns.of(table), rows)
+
+    def readings(self, device: str, start_us: int, through_us: int | None = None) -> _Readings:
+        """``device``'s readings from ``start_us`` (through ``through_us``), complete from ``start_us`` on: a
+        reader may return more than it was asked for."""
+        rows = self.rows.get(device, np.empty(0, dtype=np.int64))
+        event_us = self.columns.event_us[rows]
+        within = event_us >= start_us if through_us is None else (event_us >= start_us) & (event_us <= through_us)
+        return self.columns.readings(rows[within], start_us)
+
+
+def _features(known: _Readings, mine: _Readings, spec: FeatureSpec) -> np.ndarray:
+    """The features of ``mine``'s readings, all of which ``known`` holds with their lookback; the judgements
+    computed on the way stay in ``known``."""
+    wanted = _positions(known, mine.event_us, mine.seq)
+    return device_features(known.event_us, known.values, known.on_time, spec, wanted, known.judgements)
 
 
 def _positions(readings: _Readings, event_us: np.ndarray, seq: np.ndarray) -> np.ndarray:

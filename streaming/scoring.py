@@ -17,10 +17,9 @@ a model appears the scorer starts from its checkpoint, so every reading that arr
 
 from __future__ import annotations
 
-import datetime as dt
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -38,7 +37,7 @@ from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, LA
 from ml import registry
 from ml.features import FeatureSpec
 from ml.model import ScoringRule, anomaly_scores, scored_batch
-from streaming.history import FEATURE_INPUTS, DeviceHistory, SilverReader
+from streaming.history import FEATURE_INPUTS, DeviceHistory, SilverRanges, SilverReader
 
 KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset", LATENESS)
 """Silver columns carried into ``anomalies`` besides the reading key: where it is, where it came from and how
@@ -94,19 +93,28 @@ def anomaly_rows(scores: pa.Table, ref: registry.ModelRef) -> pa.Table:
     return pa.table(columns, names=ANOMALIES_SCHEMA.fieldNames())
 
 
-def _naive_utc(epoch_us: int) -> dt.datetime:
-    """Epoch microseconds as the session's timestamps compare (UTC, no zone)."""
-    return dt.datetime(1970, 1, 1) + dt.timedelta(microseconds=epoch_us)
-
-
 def silver_reader(spark: SparkSession, settings: Settings) -> SilverReader:
-    """Reads what the scorer's history lacks: silver's feature columns of some devices, each from a time on."""
+    """Reads what the scorer's history lacks: silver's feature columns of some devices, each in its range."""
 
-    def read(starts: Mapping[str, int]) -> pa.Table:
-        devices = spark.createDataFrame([(device,) for device in starts], f"{DEVICE_ID} string")
+    def read(ranges: SilverRanges) -> pa.Table:
+        wanted = spark.createDataFrame(
+            [(device, start, through) for device, (start, through) in ranges.items()],
+            "wanted_device string, from_us long, through_us long",
+        )
         silver = spark.read.format("delta").load(settings.table_path(SILVER))
-        in_range = silver.where(F.col(EVENT_TIME) >= F.lit(_naive_utc(min(starts.values()))))
-        return in_range.join(F.broadcast(devices), DEVICE_ID, "left_semi").select(*FEATURE_INPUTS).toArrow()
+        # The ranges' span rules out silver's files by their statistics; each device's range picks its rows.
+        starts = [start for start, _ in ranges.values()]
+        ends = [end for _, end in ranges.values() if end is not None]
+        in_span = silver.where(F.col(EVENT_TIME) >= F.timestamp_micros(F.lit(min(starts))))
+        if len(ends) == len(ranges):  # no device read to silver's end
+            in_span = in_span.where(F.col(EVENT_TIME) <= F.timestamp_micros(F.lit(max(ends))))
+        event_us = F.unix_micros(F.col(EVENT_TIME))
+        in_range = (
+            (F.col(DEVICE_ID) == F.col("wanted_device"))
+            & (event_us >= F.col("from_us"))
+            & (F.col("through_us").isNull() | (event_us <= F.col("through_us")))
+        )
+        return in_span.join(F.broadcast(wanted), in_range, "left_semi").select(*FEATURE_INPUTS).toArrow()
 
     return read
 

@@ -133,22 +133,38 @@ def test_trainer_registers_promotes_and_keeps_the_champion_against_worse_or_brok
     assert "cannot be loaded" in SCORING_QUERY.waiting_for(spark, settings)
 
 
-def test_the_scorers_silver_reader_reads_each_device_from_a_time_to_silvers_end(archive, spark) -> None:
+def test_the_scorers_silver_reader_reads_each_device_in_its_range(archive, spark) -> None:
     """What the scorer's history relies on (tests/unit/test_history.py replays it): the rows of the devices it
-    is asked for, from the earliest time given to the end of silver, not only up to a batch's readings."""
+    is asked for, each from its time on, through its end time or to the end of silver when it has none."""
     settings, _ = archive
     silver = spark.read.format("delta").load(settings.table_path(SILVER))
     devices = [row[0] for row in silver.select("device_id").distinct().orderBy("device_id").collect()]
-    device = devices[0]  # of several: the others must not be read
     event_us = F.unix_micros("event_time")
-    times = sorted(row[0] for row in silver.where(F.col("device_id") == device).select(event_us).collect())
-    start_us = times[len(times) // 2]
 
-    read = scoring.silver_reader(spark, settings)({device: start_us})
-    assert len(devices) > 1 and set(read.column("device_id").to_pylist()) == {device}
-    # From the time given to silver's end.
-    assert sorted(read.column("event_time").cast(pa.int64()).to_pylist()) == times[len(times) // 2 :]
+    def times(device: str) -> list[int]:
+        return sorted(row[0] for row in silver.where(F.col("device_id") == device).select(event_us).collect())
+
+    def read_times(read: pa.Table, device: str) -> list[int]:
+        return sorted(
+            us
+            for d, us in zip(
+                read.column("device_id").to_pylist(),
+                read.column("event_time").cast(pa.int64()).to_pylist(),
+                strict=True,
+            )
+            if d == device
+        )
+
+    to_end, bounded = times(devices[0]), times(devices[1])  # of several: the others must not be read
+    start_us, (from_us, through_us) = to_end[len(to_end) // 2], (bounded[10], bounded[20])
+    read = scoring.silver_reader(spark, settings)({devices[0]: (start_us, None), devices[1]: (from_us, through_us)})
+    assert len(devices) > 2 and set(read.column("device_id").to_pylist()) == set(devices[:2])
+    assert read_times(read, devices[0]) == to_end[len(to_end) // 2 :]  # from the time given to silver's end
+    assert read_times(read, devices[1]) == bounded[10:21]  # both ends included
     assert read.column_names == list(FEATURE_INPUTS)
+    # The range alone, without a device read to silver's end beside it.
+    read = scoring.silver_reader(spark, settings)({devices[1]: (from_us, through_us)})
+    assert read_times(read, devices[1]) == bounded[10:21] and read.num_rows == 11
 
 
 def test_scorer_scores_every_reading_and_follows_a_promotion_without_restart(archive, spark) -> None:

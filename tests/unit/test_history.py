@@ -1,5 +1,5 @@
 """The scorer's history between batches: features from it equal the features over the whole archive, and
-silver is read only for what it does not hold (a cold start, a reading older than it keeps)."""
+silver is read only for what it does not hold (a cold start, a reading older than it keeps), and no more."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from iotmon.schema import DEVICE_ID, EVENT_TIME, LATENESS, METRIC_NAMES, SEQ
 from ml.features import DeviceReadings, FeatureSpec, Judgements, device_features, featured_table
-from streaming.history import FEATURE_INPUTS, DeviceHistory
+from streaming.history import FEATURE_INPUTS, DeviceHistory, SilverRanges
 
 SPEC = FeatureSpec(history_s=10.0, settle_s=1.0)
 T0_US = 1_800_000_000_000_000
@@ -50,6 +50,16 @@ def _archive(seed: int = 3) -> pa.Table:
     ).select(list(FEATURE_INPUTS))
 
 
+def _in_ranges(silver: pa.Table, ranges: SilverRanges) -> pa.Table:
+    """What ``streaming.scoring.silver_reader`` reads: each device's rows in its range, no more."""
+    event_us = silver.column(EVENT_TIME).cast(pa.int64()).to_numpy()
+    devices = silver.column(DEVICE_ID).to_numpy(zero_copy_only=False)
+    wanted = np.zeros(silver.num_rows, dtype=bool)
+    for device, (start, through) in ranges.items():
+        wanted |= (devices == device) & (event_us >= start) & (event_us <= (through if through is not None else np.inf))
+    return silver.filter(pa.array(wanted))
+
+
 def _by_key(table: pa.Table) -> dict[tuple[str, int], list[float]]:
     features = {m: table.column(f"f_{m}").combine_chunks().flatten() for m in METRIC_NAMES}
     keys = zip(table.column(DEVICE_ID).to_pylist(), table.column(SEQ).to_pylist(), strict=True)
@@ -78,16 +88,17 @@ def test_batch_by_batch_features_equal_those_over_the_whole_archive(ahead: bool)
     change nothing."""
     archive = _archive()
     history = DeviceHistory(late_s=30.0)
-    reads: list[dict[str, int]] = []
+    reads: list[dict[str, tuple[int, int | None]]] = []
     scored: dict[tuple[str, int], list[float]] = {}
     batch_rows = 37  # about 2 s of this fleet
 
     for start in range(0, archive.num_rows, batch_rows):
-        # Silver holds this batch and everything before it, and perhaps more.
+        # Silver holds this batch and everything before it, and perhaps more; a reader may return more than it is
+        # asked for.
         committed = archive if ahead else archive.slice(0, start + batch_rows)
 
-        def read_silver(starts: dict[str, int], committed: pa.Table = committed) -> pa.Table:
-            reads.append(dict(starts))
+        def read_silver(ranges: SilverRanges, committed: pa.Table = committed) -> pa.Table:
+            reads.append(dict(ranges))
             return committed
 
         scored |= _by_key(history.featured(archive.slice(start, batch_rows), SPEC, read_silver))
@@ -101,10 +112,13 @@ def test_batch_by_batch_features_equal_those_over_the_whole_archive(ahead: bool)
         assert judged.sum() > 100
         assert np.array_equal(kept.judgements.suspect[judged], whole[1].suspect[at[judged]])
         assert np.array_equal(kept.judgements.jumps[jumped], whole[1].jumps[at[jumped]], equal_nan=True)
-    # Silver was read at the start, when dev-b first showed up in a batch of its own (at most), and for the
-    # reading Kafka delivered far beyond the watermark: not for every batch.
+    # Silver was read at the start, to its end, when dev-b first showed up in a batch of its own (at most), and
+    # for the reading Kafka delivered far beyond the watermark: not for every batch. That one's read reaches from
+    # its own lookback to itself, not to silver's end.
     assert 1 <= len(reads) <= 3
-    assert any(set(read) == {"dev-b"} and min(read.values()) < T0_US + 60 * 500_000 for read in reads[1:])
+    assert all(through is None for read in reads[:-1] for _, through in read.values())
+    straggler_us = T0_US + 60 * 500_000 + 123_000
+    assert reads[-1] == {"dev-b": (SPEC.lookback_start_us(straggler_us), straggler_us)}
     # What is kept is bounded by the lookback and the lateness, not by the archive.
     kept = max(len(d.event_us) for d in history.devices.values())
     assert kept < (4 * SPEC.history_s + 30.0 + SPEC.history_s) / 0.5
@@ -113,18 +127,20 @@ def test_batch_by_batch_features_equal_those_over_the_whole_archive(ahead: bool)
 def test_a_fresh_history_reads_the_lookback_of_the_first_batch_once() -> None:
     archive = _archive()
     history = DeviceHistory(late_s=30.0)
-    starts: list[dict[str, int]] = []
+    reads: list[dict[str, tuple[int, int | None]]] = []
 
-    def read_silver(wanted: dict[str, int]) -> pa.Table:
-        starts.append(dict(wanted))
+    def read_silver(ranges: SilverRanges) -> pa.Table:
+        reads.append(dict(ranges))
         return archive  # more than asked for, ahead of the batch too: it must not matter
 
     last = archive.slice(archive.num_rows - 50)
     history.featured(last, SPEC, read_silver)
-    assert len(starts) == 1 and set(starts[0]) == set(last.column(DEVICE_ID).to_pylist())
+    assert len(reads) == 1 and set(reads[0]) == set(last.column(DEVICE_ID).to_pylist())
+    starts = [start for start, _ in reads[0].values()]
     first_us = min(last.column(EVENT_TIME).cast(pa.int64()).to_pylist())
-    assert min(starts[0].values()) == SPEC.lookback_start_us(first_us)
-    assert dt.timedelta(microseconds=first_us - min(starts[0].values())) >= dt.timedelta(seconds=SPEC.lookback_s)
+    assert min(starts) == SPEC.lookback_start_us(first_us)
+    assert dt.timedelta(microseconds=first_us - min(starts)) >= dt.timedelta(seconds=SPEC.lookback_s)
+    assert all(through is None for _, through in reads[0].values())  # to silver's end
 
 
 def test_a_silver_read_that_finds_nothing_leaves_the_batch_its_own_lookback() -> None:
@@ -154,15 +170,55 @@ def test_a_restart_whose_first_batch_is_an_old_reading_alone_misses_nothing_afte
     for start, end in [(restart, restart + 1), *((s, s + 37) for s in range(restart + 1, arrived.num_rows, 37))]:
         committed = arrived if ahead else arrived.slice(0, end)
 
-        def read_silver(starts: dict[str, int], committed: pa.Table = committed) -> pa.Table:
-            """What ``streaming.scoring.silver_reader`` reads: the devices' rows from the earliest start on."""
-            event_us = committed.column(EVENT_TIME).cast(pa.int64()).to_numpy()
-            devices = committed.column(DEVICE_ID).to_numpy(zero_copy_only=False)
-            wanted = np.isin(devices, list(starts)) & (event_us >= min(starts.values()))
-            return committed.filter(pa.array(wanted))
+        def read_silver(ranges: SilverRanges, committed: pa.Table = committed) -> pa.Table:
+            return _in_ranges(committed, ranges)
 
         scored |= _by_key(history.featured(arrived.slice(start, end - start), SPEC, read_silver))
 
     expected = _whole_archive(archive)
     assert len(scored) == archive.num_rows - restart
     assert scored == {key: expected[key] for key in scored}  # identical, not close
+
+
+def test_stragglers_are_featured_from_their_own_lookback_and_leave_the_history_as_it_was() -> None:
+    """Readings Kafka delivered long after their devices' newer ones (a late-arrivals commit), in one batch with
+    on-time readings: each straggler's features come from a read of its own lookback, through the newest
+    straggler of its device and no further, equal to the whole archive's; the history does not reach back for
+    them."""
+    archive = _archive()
+    devices = archive.column(DEVICE_ID).to_pylist()
+    event_us = archive.column(EVENT_TIME).cast(pa.int64()).to_pylist()
+    early = [i for i, us in enumerate(event_us) if T0_US + 15_000_000 <= us < T0_US + 40_000_000]
+    stragglers = [
+        *[i for i in early if devices[i] == "dev-a"][1:30:8],
+        *[i for i in early if devices[i] == "dev-b"][3:20:7],
+        archive.num_rows - 1,  # dev-b's reading that Kafka delivered far beyond the watermark
+    ]
+    rest = [i for i in range(archive.num_rows) if i not in stragglers]
+    # The stragglers arrive late (not on time), in the last batch, beside the last on-time readings.
+    late = archive.take(pa.array(stragglers))
+    late = late.set_column(late.schema.get_field_index(LATENESS), LATENESS, pa.array(["late"] * late.num_rows))
+    arrived = pa.concat_tables([archive.take(pa.array(rest)), late])
+    history = DeviceHistory(late_s=30.0)
+    reads: list[dict[str, tuple[int, int | None]]] = []
+    scored: dict[tuple[str, int], list[float]] = {}
+    last_batch = archive.num_rows - len(stragglers) - 20
+    for start, end in [
+        *((s, min(s + 37, last_batch)) for s in range(0, last_batch, 37)),
+        (last_batch, arrived.num_rows),
+    ]:
+        committed = arrived.slice(0, end)
+
+        def read_silver(ranges: SilverRanges, committed: pa.Table = committed) -> pa.Table:
+            reads.append(dict(ranges))
+            return _in_ranges(committed, ranges)
+
+        scored |= _by_key(history.featured(arrived.slice(start, end - start), SPEC, read_silver))
+
+    assert scored == _whole_archive(arrived)  # identical, not close
+    seqs = archive.column(SEQ).to_pylist()
+    assert all(any(value != 0.0 for value in scored[devices[i], seqs[i]]) for i in stragglers)
+    straggling = {device: [event_us[i] for i in stragglers if devices[i] == device] for device in ("dev-a", "dev-b")}
+    assert reads[-1] == {d: (SPEC.lookback_start_us(min(us)), max(us)) for d, us in straggling.items()}
+    for device, us in straggling.items():
+        assert history.devices[device].complete_from_us > max(us)
