@@ -102,7 +102,7 @@ def silver_reader(spark: SparkSession, settings: Settings) -> SilverReader:
             "wanted_device string, from_us long, through_us long",
         )
         silver = spark.read.format("delta").load(settings.table_path(SILVER))
-        # The ranges' span rules out silver's files by their statistics; each device's range picks its rows.
+        # The ranges' span bounds the scan (Delta's data skipping reads it); each device's range picks its rows.
         starts = [start for start, _ in ranges.values()]
         ends = [end for _, end in ranges.values() if end is not None]
         in_span = silver.where(F.col(EVENT_TIME) >= F.timestamp_micros(F.lit(min(starts))))
