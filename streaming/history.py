@@ -153,10 +153,13 @@ class DeviceHistory:
         # A reading of a device the history holds whose lookback starts before what it holds is a straggler.
         held_from = np.array([self._held_from(str(d)) for d in names], dtype=np.int64)
         stragglers = spec.lookback_start_us(event_us) < held_from[inverse]
-        rows_of = {str(d): order[bounds[i] : bounds[i + 1]] for i, d in enumerate(names)}
+        # Each device's stragglers and its other readings.
+        parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for i, name in enumerate(names):
+            rows = order[bounds[i] : bounds[i + 1]]
+            parts[str(name)] = (rows[stragglers[rows]], rows[~stragglers[rows]])
         wanted: dict[str, tuple[int, int | None]] = {}
-        for device, rows in rows_of.items():
-            late = rows[stragglers[rows]]
+        for device, (late, rows) in parts.items():
             if len(late):  # from the oldest one's lookback to the newest one
                 wanted[device] = (spec.lookback_start_us(int(event_us[late[0]])), int(event_us[late[-1]]))
             elif device not in self.devices:  # from the batch's lookback to silver's end
@@ -168,8 +171,7 @@ class DeviceHistory:
                 if device not in self.devices:
                     self.devices[device] = read.readings(device, start)
         features = np.empty((batch.num_rows, len(METRIC_NAMES), len(FEATURE_COLUMNS)))
-        for device, rows in rows_of.items():
-            late, rows = rows[stragglers[rows]], rows[~stragglers[rows]]
+        for device, (late, rows) in parts.items():
             if len(late) and read is not None:
                 start, through = wanted[device]
                 straggling = columns.readings(late, start)

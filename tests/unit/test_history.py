@@ -88,7 +88,7 @@ def test_batch_by_batch_features_equal_those_over_the_whole_archive(ahead: bool)
     change nothing."""
     archive = _archive()
     history = DeviceHistory(late_s=30.0)
-    reads: list[dict[str, tuple[int, int | None]]] = []
+    reads: list[SilverRanges] = []
     scored: dict[tuple[str, int], list[float]] = {}
     batch_rows = 37  # about 2 s of this fleet
 
@@ -127,7 +127,7 @@ def test_batch_by_batch_features_equal_those_over_the_whole_archive(ahead: bool)
 def test_a_fresh_history_reads_the_lookback_of_the_first_batch_once() -> None:
     archive = _archive()
     history = DeviceHistory(late_s=30.0)
-    reads: list[dict[str, tuple[int, int | None]]] = []
+    reads: list[SilverRanges] = []
 
     def read_silver(ranges: SilverRanges) -> pa.Table:
         reads.append(dict(ranges))
@@ -200,7 +200,7 @@ def test_stragglers_are_featured_from_their_own_lookback_and_leave_the_history_a
     late = late.set_column(late.schema.get_field_index(LATENESS), LATENESS, pa.array(["late"] * late.num_rows))
     arrived = pa.concat_tables([archive.take(pa.array(rest)), late])
     history = DeviceHistory(late_s=30.0)
-    reads: list[dict[str, tuple[int, int | None]]] = []
+    reads: list[SilverRanges] = []
     scored: dict[tuple[str, int], list[float]] = {}
     last_batch = archive.num_rows - len(stragglers) - 20
     for start, end in [
