@@ -305,13 +305,14 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
             spark.sparkContext.cancelAllJobs()
 
     def yield_the_cores() -> None:
-        # Until the first champion nothing is scored, so that run is the most urgent work there is; after it,
-        # retraining yields the cores to the stream (this process and its Spark JVM).
+        # Until the first champion nothing is scored, so that run is the most urgent work there is; retraining,
+        # from the first run on when a champion exists already, yields the cores to the stream (this process
+        # and its Spark JVM, started by it or inheriting its niceness).
         lower_priority(os.getpid(), PERIODIC_TRAINER_NICENESS)
 
     stop = stop_on_signals()
     trainer = PeriodicTrainer(
-        settings, session, lambda: replace(options, truth=truth()), args.every, on_champion=yield_the_cores
+        settings, session, lambda: replace(options, truth=truth()), args.every, on_retraining=yield_the_cores
     )
     try:
         trainer.start(stop, abandon_run).join()

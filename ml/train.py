@@ -426,10 +426,11 @@ class PeriodicTrainer:
 
     Whether to train is decided without Spark (``archive_extent``): no session is asked for until there is
     data. A run that fails, or finds too little or nothing new, leaves the champion as it was and is tried
-    again; ``on_champion`` is called after each run once a champion exists (the first one is the urgent run:
-    until it exists nothing is scored). ``ran`` is set once a run has ended, whatever its outcome: a stream
-    starting with no model holds back the queries the first one does not need until then (``pipeline.stream``).
-    ``start`` runs it on a thread of its own and gives up the run in progress at the stop.
+    again; ``on_retraining`` is called before each run that has a champion to replace: only a run with none to
+    score with is urgent, so a trainer started beside a stream that already scores yields from its first run
+    on. ``ran`` is set once a run has ended, whatever its outcome: a stream starting with no model holds back
+    the queries the first one does not need until then (``pipeline.stream``). ``start`` runs it on a thread of
+    its own and gives up the run in progress at the stop.
     """
 
     def __init__(
@@ -438,12 +439,12 @@ class PeriodicTrainer:
         session: Callable[[], SparkSession],
         options: Callable[[], TrainOptions],
         every_s: float,
-        on_champion: Callable[[], None] = lambda: None,
+        on_retraining: Callable[[], None] = lambda: None,
         out: TextIO | None = None,
         err: TextIO | None = None,
     ) -> None:
         self.settings, self.session, self.options, self.every_s = settings, session, options, every_s
-        self.on_champion, self.out, self.err = on_champion, out or sys.stdout, err or sys.stderr
+        self.on_retraining, self.out, self.err = on_retraining, out or sys.stdout, err or sys.stderr
         self.ran = threading.Event()
         self._look = threading.Event()
         """Ends a wait between looks: set by ``look_now`` and by the stop."""
@@ -479,13 +480,13 @@ class PeriodicTrainer:
                 if stop.is_set():  # stopped while deciding: no run to start
                     return
                 attempted = True
+                if registry.champion(self.settings) is not None:  # nothing waits for this run: it yields
+                    self.on_retraining()
                 report = train(self.session(), self.settings, self.options(), stop=stop)
                 # The next run starts a full interval after this one ended: on a busy machine a run can outlast
                 # the interval, and back-to-back runs would hold the cores the stream needs.
                 started, trained_on = time.monotonic(), report.silver_version
                 say(report.report(), self.out)
-                if registry.champion(self.settings) is not None:
-                    self.on_champion()
             except TrainingError as exc:  # not enough data, or nothing new, yet: look again soon
                 wait = min(self.every_s, RETRY_SECONDS)
                 if time.monotonic() - last_wait_line >= WAIT_LINE_SECONDS:

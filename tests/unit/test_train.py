@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+import pytest
 from pyspark.sql import SparkSession
 
 from iotmon.schema import DEVICE_ID
@@ -210,6 +211,33 @@ def _trainer_with_run(a_run, tmp_path, monkeypatch):
         Settings.from_env({}, home=tmp_path), lambda: None, train_module.TrainOptions, every_s=300.0, out=out
     )
     return trainer, out, stop
+
+
+@pytest.mark.parametrize("champion", [None, "v1"])
+def test_a_run_yields_the_cores_before_it_starts_once_a_champion_exists(tmp_path, monkeypatch, champion) -> None:
+    """The first model is urgent (nothing is scored without it), a retraining is not, even the first run of a
+    trainer restarted beside a stream that scores with the champion it finds: that run yields before it starts,
+    not after it has competed with the stream for the cores."""
+    import threading
+
+    from ml import train as train_module
+
+    yields: list[str] = []
+    yielded_at_run: list[int] = []
+
+    def a_run(*_: object, **__: object) -> None:
+        yielded_at_run.append(len(yields))
+        stop.set()  # one run is enough
+        raise RuntimeError("a run that ends")
+
+    trainer, _, stop = _trainer_with_run(a_run, tmp_path, monkeypatch)
+    monkeypatch.setattr(train_module.registry, "champion", lambda _settings: champion)
+    trainer.on_retraining = lambda: yields.append("yield")
+    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert yielded_at_run == [0 if champion is None else 1]
 
 
 def test_a_stop_cancels_the_runs_jobs_until_the_run_gives_up(tmp_path, monkeypatch) -> None:
