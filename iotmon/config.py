@@ -266,7 +266,15 @@ class Settings:
         "TRIGGER_INTERVAL",
         "5 seconds",
         _parse_interval,
-        "Processing-time trigger of the ingest query: every record in bronze and silver within seconds.",
+        "Processing-time trigger of the ingest query: every record in bronze and silver within seconds. The "
+        "longest a record waits for a batch to start: one starts sooner once IOTMON_INGEST_BATCH_RECORDS wait.",
+    )
+    ingest_batch_records: int = _setting(
+        "INGEST_BATCH_RECORDS",
+        10_000,
+        _parse_positive_int,
+        "Records waiting in Kafka that start the ingest query's next batch before its trigger interval is up: "
+        "at a high rate batches come as fast as they run, and stay short; at a low one, a batch an interval.",
     )
     gold_trigger_interval: str = _setting(
         "GOLD_TRIGGER_INTERVAL",

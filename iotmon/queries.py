@@ -84,6 +84,30 @@ def recorded_state_variables(checkpoint: Path) -> set[str] | None:
     return names
 
 
+_STARTS = threading.RLock()
+"""Held while a query starts: a query copies the session's configuration when it is created, so a start must
+not see another's temporary settings (``query_settings``)."""
+
+
+@contextmanager
+def query_settings(spark: SparkSession, conf: Mapping[str, str]) -> Iterator[None]:
+    """Session configuration ``conf`` for the queries started inside only: each streaming query runs in a copy of
+    the session made when it is created (Spark's ``sparkSessionForStream``), so the setting stays with it, and
+    the session gets its own values back at the end. Starts are one at a time meanwhile (``start_query``)."""
+    with _STARTS:
+        before = {key: spark.conf.get(key, None) for key in conf}
+        try:
+            for key, value in conf.items():
+                spark.conf.set(key, value)
+            yield
+        finally:
+            for key, value in before.items():
+                if value is None:
+                    spark.conf.unset(key)
+                else:
+                    spark.conf.set(key, value)
+
+
 def start_query(
     spec: QuerySpec, spark: SparkSession, settings: Settings, trigger: Trigger, out: TextIO
 ) -> StreamingQuery:
@@ -100,7 +124,8 @@ def start_query(
     context = spark.sparkContext
     context.setLocalProperty(SCHEDULER_POOL, spec.name)
     try:
-        return spec.start(spark, settings, trigger)
+        with _STARTS:
+            return spec.start(spark, settings, trigger)
     finally:
         context.setLocalProperty(SCHEDULER_POOL, None)  # None removes it
 

@@ -22,7 +22,7 @@ from enum import Enum
 
 from pyspark.sql import SparkSession
 
-from ingest.landing import INGEST_QUERY, LATE_ARRIVALS_QUERY, ensure_landing_tables
+from ingest.landing import INGEST_QUERY, LATE_ARRIVALS_QUERY, early_batches, ensure_landing_tables
 from iotmon.config import Settings
 from iotmon.preflight import local_directory
 from iotmon.queries import QuerySpec, Trigger, recorded_state_variables
@@ -236,9 +236,17 @@ def trigger_of(settings: Settings) -> Callable[[QuerySpec], Trigger]:
 
 
 def triggers_line(settings: Settings) -> str:
-    """The triggers, for a stream's first line: which queries run how often."""
+    """The triggers, for a stream's first line: which queries run how often (the ingest query sooner once
+    enough records wait: ``ingest.landing.early_batches``)."""
     by_budget = {b: [n.name for n in TOPOLOGY if n.budget is b] for b in Budget}
-    return "; ".join(f"{', '.join(names)} every {b.interval(settings)}" for b, names in by_budget.items() if names)
+
+    def every(budget: Budget) -> str:
+        interval = budget.interval(settings)
+        if budget is Budget.ARRIVAL and early_batches({"processingTime": interval}, settings):
+            return f"every {interval} or {settings.ingest_batch_records:,} records"
+        return f"every {interval}"
+
+    return "; ".join(f"{', '.join(names)} {every(b)}" for b, names in by_budget.items() if names)
 
 
 def source_reads() -> dict[str, int]:

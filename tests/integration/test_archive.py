@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import io
 import json
 from pathlib import Path
+from typing import Any
 
 import deltalake
 import pyarrow as pa
@@ -14,19 +17,22 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from ingest.landing import INGEST_QUERY
 from ingest.silver import READING_KEY
 from ingest.verify import reconcile
 from iotmon.cli import main
 from iotmon.config import Settings, interval_seconds
 from iotmon.kafka import ensure_topic, make_producer
 from iotmon.lake import planned_watermark, run_sql
+from iotmon.queries import query_settings, start_query
 from iotmon.schema import BRONZE, DEVICE_TYPES, DEVICES, DEVICES_SCHEMA, INGEST, QUARANTINE, SILVER
 from pipeline.stream import drain_until_idle
-from pipeline.topology import ensure_tables
+from pipeline.topology import ensure_tables, trigger_of
 from simulators.options import SimulationOptions
 from simulators.publish import run_simulation
 from simulators.truth import OFFSET_UNKNOWN
 from tests.bad_input import iso
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -123,6 +129,57 @@ def test_a_second_run_appends_incrementally(isolated: Settings, spark: SparkSess
     result = reconcile(spark, isolated, [first, second])
     assert result.problems == [], result.report()
     assert result.truth is not None and result.truth.delivered == 7_000
+
+
+def test_a_stream_starts_an_ingest_batch_once_enough_records_wait_and_none_without_records(
+    isolated: Settings, spark: SparkSession
+) -> None:
+    """The ingest query as `iotmon stream` starts it (a processing-time trigger), with an interval no test could
+    wait out: a batch starts before the interval is up once IOTMON_INGEST_BATCH_RECORDS records wait, not while
+    fewer do, and no batch runs without records (Spark would run one after each batch that moved the watermark)."""
+    settings = dataclasses.replace(isolated, trigger_interval="1 hour", ingest_batch_records=300)
+    ensure_tables(spark, settings)
+    reads = INGEST_QUERY.source_reads
+
+    def batches() -> list[int]:
+        """The records of each batch the query has run, in order (a batch without records counts 0)."""
+        return [p["numInputRows"] // reads for p in query.recentProgress if "addBatch" in p["durationMs"]]
+
+    def idle_reports(since: int) -> list[Any]:
+        return [p for p in query.recentProgress[since:] if "addBatch" not in p["durationMs"]]
+
+    def waiting(report: Any) -> int:
+        """How many records the poll that made ``report`` saw waiting in Kafka."""
+        source = report["sources"][0]
+        latest, read = (_offset_sum(source[key]) for key in ("latestOffset", "endOffset"))
+        return latest - read
+
+    _simulate(settings, settings.home / "a.parquet", events=100, seed=1)
+    # An idle poll's report at every poll, not every 10 s, so the test can tell what each poll saw.
+    with query_settings(spark, {"spark.sql.streaming.noDataProgressEventInterval": "10ms"}):
+        query = start_query(INGEST_QUERY, spark, settings, trigger_of(settings)(INGEST_QUERY), io.StringIO())
+    try:
+        # No batch has run yet, so the interval is up at the first poll: what waits is read at once.
+        wait_for(lambda: batches() == [100], 120, "the first batch")
+        seen = len(query.recentProgress)
+        _simulate(settings, settings.home / "b.parquet", events=100, seed=2)
+        wait_for(lambda: any(waiting(r) == 100 for r in idle_reports(seen)), 60, "a poll that saw 100 records")
+        assert batches() == [100]
+        _simulate(settings, settings.home / "c.parquet", events=200, seed=3)
+        wait_for(lambda: len(batches()) > 1, 60, "a batch once 300 records wait")
+        assert batches() == [100, 300]
+        seen = len(query.recentProgress)
+        wait_for(lambda: len(idle_reports(seen)) >= 2, 60, "two polls after it")
+        assert batches() == [100, 300], "a batch without records ran"
+    finally:
+        query.stop()
+    assert spark.read.format("delta").load(settings.table_path(BRONZE)).count() == 400
+
+
+def _offset_sum(offsets: Any) -> int:
+    """The sum over partitions of a Kafka source's offsets in a progress report (a JSON object or its text)."""
+    parsed = json.loads(offsets) if isinstance(offsets, str) else offsets
+    return sum(int(offset) for partitions in parsed.values() for offset in partitions.values())
 
 
 def test_lake_is_queryable_by_name_and_readable_without_spark(

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from iotmon.queries import ProgressReport, QueryEvents, explain
+from pyspark.sql import SparkSession
+
+from iotmon.queries import ProgressReport, QueryEvents, explain, query_settings
 
 
 def _progress(batch: int, rows: int, run: str = "run-1", wrote: bool = True) -> dict[str, Any]:
@@ -108,3 +110,12 @@ def test_a_reset_broker_gets_a_hint() -> None:
 
 def test_an_ordinary_error_keeps_its_first_line() -> None:
     assert explain("Something broke\n\tat org.apache.Foo") == "Something broke"
+
+
+def test_query_settings_hold_for_what_starts_inside_and_the_session_gets_its_own_back(spark: SparkSession) -> None:
+    interval, unset = "spark.sql.streaming.noDataProgressEventInterval", "iotmon.test.neverSet"
+    before = spark.conf.get(interval)
+    with query_settings(spark, {interval: "10ms", unset: "x"}):
+        assert (spark.conf.get(interval), spark.conf.get(unset)) == ("10ms", "x")
+    assert spark.conf.get(interval) == before != "10ms"
+    assert spark.conf.get(unset, None) is None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ingest.landing import early_batches
 from iotmon.config import ConfigError, Settings
 from iotmon.schema import (
     ALERTS,
@@ -114,3 +115,22 @@ def test_each_query_runs_as_often_as_its_tables_are_due() -> None:
     assert {n.budget for n in TOPOLOGY} == set(Budget)
     line = triggers_line(settings)
     assert line.startswith("ingest every 1 second; ") and "anomalies" in line and "device_windows" in line
+    assert triggers_line(Settings()).startswith("ingest every 5 seconds or 10,000 records; ")
+
+
+def test_the_ingest_query_starts_a_batch_once_enough_records_wait_or_its_interval_is_up() -> None:
+    settings = Settings()
+    early = early_batches(trigger_of(settings)(node(INGEST).query), settings)
+    assert early is not None
+    assert early.trigger == {"processingTime": "1000 milliseconds"}
+    # Half a poll short of the interval, so that the poll ending the interval starts the batch.
+    assert early.options == {"minOffsetsPerTrigger": "10000", "maxTriggerDelay": "4500ms"}
+    assert early.conf == {"spark.sql.streaming.noDataMicroBatches.enabled": "false"}
+    fewer = Settings.from_env({"IOTMON_INGEST_BATCH_RECORDS": "300", "IOTMON_TRIGGER_INTERVAL": "1 minute"})
+    assert early_batches({"processingTime": fewer.trigger_interval}, fewer).options == {
+        "minOffsetsPerTrigger": "300",
+        "maxTriggerDelay": "59500ms",
+    }
+    # A trigger no longer than a poll has nothing to start sooner; available-now reads what there is.
+    assert early_batches({"processingTime": "1 second"}, settings) is None
+    assert early_batches({"availableNow": True}, settings) is None
