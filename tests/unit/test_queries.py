@@ -3,11 +3,12 @@ knows of its queries' runs."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pyspark.sql import SparkSession
 
-from iotmon.queries import ProgressReport, QueryEvents, explain, query_settings
+from iotmon.queries import ProgressReport, QueryEvents, _EventsFromJson, explain, query_settings
 
 
 def _progress(batch: int, rows: int, run: str = "run-1", wrote: bool = True) -> dict[str, Any]:
@@ -119,3 +120,34 @@ def test_query_settings_hold_for_what_starts_inside_and_the_session_gets_its_own
         assert (spark.conf.get(interval), spark.conf.get(unset)) == ("10ms", "x")
     assert spark.conf.get(interval) == before != "10ms"
     assert spark.conf.get(unset, None) is None
+
+
+def test_a_reports_input_rate_is_over_the_time_since_the_runs_last_batch_not_its_last_poll() -> None:
+    """The ingest query polls Kafka every second between batches: Spark's rate divides a batch's rows by one
+    poll. Every listener gets the rate over the time since the run's previous batch began."""
+    events = QueryEvents()
+    bus = _EventsFromJson(events)
+
+    class Event:
+        def __init__(self, batch: int, at: str, spark_rate: float) -> None:
+            sink = {"description": "ForeachBatchSink", "numOutputRows": -1}
+            self.report = {
+                **_progress(batch, 2_500),
+                "id": "00000000-0000-0000-0000-000000000001",
+                "runId": "00000000-0000-0000-0000-000000000002",
+                "name": "ingest",
+                "timestamp": at,
+                "batchDuration": 1200,
+                "stateOperators": [],
+                "sink": sink,
+                "inputRowsPerSecond": spark_rate,
+            }
+
+        def json(self) -> str:
+            return json.dumps({"progress": self.report})
+
+    run = "00000000-0000-0000-0000-000000000002"
+    bus.onQueryProgress(Event(7, "2026-12-02T10:00:00.000Z", 2_500.0))
+    assert events.last(run)["inputRowsPerSecond"] == 2_500.0  # no batch before it to count from
+    bus.onQueryProgress(Event(8, "2026-12-02T10:00:05.000Z", 2_500.0))
+    assert events.last(run)["batchId"] == 8 and events.last(run)["inputRowsPerSecond"] == 500.0
