@@ -123,9 +123,9 @@ def kafka_records(spark: SparkSession, settings: Settings, admission: Mapping[st
 
 @dataclass(frozen=True)
 class EarlyBatches:
-    """How the ingest query runs under a processing-time trigger: it asks Kafka every ``poll`` how many records
-    wait, and starts a batch once ``IOTMON_INGEST_BATCH_RECORDS`` do or its interval is up since the last one
-    (the Kafka source's ``minOffsetsPerTrigger`` and ``maxTriggerDelay``).
+    """How the ingest query runs under a processing-time trigger: it asks Kafka every ``EARLY_POLL_SECONDS`` how
+    many records wait (``trigger``), and starts a batch once ``IOTMON_INGEST_BATCH_RECORDS`` do or its interval is
+    up since the last one (``options``: the Kafka source's ``minOffsetsPerTrigger`` and ``maxTriggerDelay``).
 
     A batch costs about a second of CPU whatever its records (docs/cost-model.md, "The floor"), and a record
     waits for the next batch to start and then for it to end. At the demo's rate one batch an interval keeps
