@@ -2,17 +2,17 @@
 
 Issue 17 states its steady-state targets with everything a deployment runs on the same 2 cores: the stream, a
 trainer retraining every 5 minutes, the dashboard and the broker. So the phase runs them all: the simulator as a
-process of its own (as in production, and so its producer does not share this process's interpreter with the
-Spark driver), publishing with event time = wall clock; every query at once, as ``iotmon stream`` runs them, in
-this process; ``iotmon train --every`` as a process of its own (niced once a champion exists, as ever); and a
-dashboard page left open (``bench.viewer``: the page's reads at every refresh), which also records each table's
-freshness as the page showed it. The first ``warmup`` seconds are not measured: every query's first batches
-plan, generate and JIT-compile their code and start Python workers, all at once on two cores, which is a
-start-up figure, not a steady one. Once the fleet has stopped and every query has read what its source holds,
-latency is read back from the Delta logs (``bench.latency``) for the events after the warm-up: event -> bronze,
-silver, anomaly and live-window rows, window end -> final window row, and a silent device's last reading -> its
-offline row; the stream's CPU and each query's batches are those after the warm-up too, the trainer's and the
-viewer's CPU beside it, and each table's freshness trend over the measured window.
+process of its own (as in production, and so its producer does not share this process's interpreter with the Spark
+driver), publishing with event time = wall clock; every query at once, as ``iotmon stream`` runs them, in this
+process; ``iotmon train --every`` as a process of its own (on what the stream leaves once a champion exists, as
+ever); and a dashboard page left open (``bench.viewer``: the page's reads at every refresh), which also records each
+table's freshness as the page showed it. The first ``warmup`` seconds are not measured: every query's first batches
+plan, generate and JIT-compile their code and start Python workers, all at once on two cores, which is a start-up
+figure, not a steady one. Once the fleet has stopped and every query has read what its source holds, latency is read
+back from the Delta logs (``bench.latency``) for the events after the warm-up: event -> bronze, silver, anomaly and
+live-window rows, window end -> final window row, and a silent device's last reading -> its offline row; the
+stream's CPU and each query's batches are those after the warm-up too, the trainer's and the viewer's CPU beside it,
+and each table's freshness trend over the measured window.
 """
 
 from __future__ import annotations

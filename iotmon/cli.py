@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from simulators.options import SimulationOptions
 
 EXIT_MISMATCH = 1
-PERIODIC_TRAINER_NICENESS = 10
-"""How much a periodic trainer lowers its scheduling priority, so that the stream keeps its latency budgets."""
 EXIT_ERROR = 2
 
 
@@ -267,7 +265,7 @@ def cmd_backfill(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
     """Once, or every ``--every`` until stopped; a failed run is reported and leaves the champion as it was."""
     from iotmon.preflight import require_writable
-    from iotmon.processes import lower_priority
+    from iotmon.processes import run_when_idle, yield_the_session
     from iotmon.spark import spark_session
     from ml.model import ModelParams
     from ml.train import PeriodicTrainer, TrainingError, TrainOptions, train
@@ -306,9 +304,10 @@ def cmd_train(settings: Settings, args: argparse.Namespace) -> int:
 
     def yield_the_cores() -> None:
         # Until the first champion nothing is scored, so that run is the most urgent work there is; retraining,
-        # from the first run on when a champion exists already, yields the cores to the stream (this process
-        # and its Spark JVM, started by it or inheriting its niceness).
-        lower_priority(os.getpid(), PERIODIC_TRAINER_NICENESS)
+        # from the first run on when a champion exists already, runs on what the stream leaves (this process and
+        # its Spark JVM, started by it or inheriting the policy), and so does its session if it is its own.
+        run_when_idle(os.getpid())
+        yield_the_session()
 
     stop = stop_on_signals()
     trainer = PeriodicTrainer(

@@ -42,7 +42,7 @@ from bench.throughput import behind
 from bench.training import copies_and_share
 from bench.viewer import GROWTH_LIMIT_S_PER_MIN, fastest_growth, freshness_sample, freshness_trend
 from iotmon.cli import build_parser
-from iotmon.processes import lower_priority, process_tree
+from iotmon.processes import process_tree, run_when_idle
 from iotmon.schema import SILVER_SCHEMA
 from pipeline.topology import KAFKA
 
@@ -464,7 +464,7 @@ def test_the_detection_ceiling_falls_with_the_threshold_and_leaves_part_of_drift
     assert detectability_main(["--devices", "50", "--ticks", "300"]) == 0
 
 
-def test_lower_priority_reaches_every_thread_of_a_child_process() -> None:
+def test_run_when_idle_reaches_every_thread_of_a_child_process() -> None:
     code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
@@ -475,12 +475,32 @@ def test_lower_priority_reaches_every_thread_of_a_child_process() -> None:
                 break
             time.sleep(0.05)
         assert len(threads) >= 2 and child.pid in process_tree(os.getpid())
-        assert lower_priority(child.pid, 15) >= 2
-        assert all(os.getpriority(os.PRIO_PROCESS, tid) >= 15 for tid in threads)
-        assert lower_priority(child.pid, 15) == 0  # already there: nothing to lower
+        assert all(os.sched_getscheduler(tid) == os.SCHED_OTHER for tid in threads)
+        assert run_when_idle(child.pid) >= 2
+        assert all(os.sched_getscheduler(tid) == os.SCHED_IDLE for tid in threads)
+        assert run_when_idle(child.pid) == 0  # already there: nothing to switch
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_a_process_lowers_its_session_only_if_it_leads_it(own_session: bool) -> None:
+    autogroup = "Path('/proc/self/autogroup')"
+    code = (
+        "from pathlib import Path; from iotmon.processes import yield_the_session; "
+        f"print(yield_the_session(), {autogroup}.read_text().split()[-1] if {autogroup}.exists() else '-')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], start_new_session=own_session, capture_output=True, text=True, check=True
+    )
+    lowered, nice = done.stdout.split()
+    ours = Path("/proc/self/autogroup")
+    if not ours.exists():  # a kernel without autogroups: there is nothing to lower
+        assert (lowered, nice) == ("False", "-")
+        return
+    assert lowered == str(own_session)
+    assert nice == ("19" if own_session else ours.read_text().split()[-1])
 
 
 def test_freshness_trend_judges_the_tables_every_reading_moves() -> None:

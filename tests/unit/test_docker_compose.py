@@ -120,3 +120,10 @@ def test_healthchecks_ask_the_right_process() -> None:
     for name in ("dashboard", "mlflow"):
         args = parser.parse_args(APP_SERVICES[name]["command"])
         assert f"//localhost:{args.port}/" in " ".join(APP_SERVICES[name]["healthcheck"]["test"]), name
+
+
+def test_the_trainer_weighs_less_than_the_stream() -> None:
+    """Containers share the cores as cgroups, before the threads in them: the trainer's policy cannot reach across."""
+    default = 1024  # Docker's cpu_shares when none is set
+    services = COMPOSE["services"]
+    assert services["trainer"].get("cpu_shares", default) < services["stream"].get("cpu_shares", default) / 10
