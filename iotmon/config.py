@@ -357,6 +357,14 @@ class Settings:
         "The trainer fits on a share of the devices holding about this many readings, each device's whole "
         "history, so training time stays flat as the archive grows.",
     )
+    scorer_batch_bytes: int = _setting(
+        "SCORER_BATCH_BYTES",
+        8 * 1024 * 1024,
+        _parse_positive_int,
+        "Silver bytes a scorer batch reads at most (Delta's maxBytesPerTrigger, a soft cap: whole files): a "
+        "backlog is scored in batches, each visible when done. A cap per trigger is a rate limit: keep it far "
+        "above what arrives in a trigger (the default is about 300,000 readings).",
+    )
     model_name: str = _setting("MODEL_NAME", "iotmon-anomaly", str, "Registered MLflow model the scorer serves.")
     mlflow_tracking_uri: str | None = _setting(
         "MLFLOW_TRACKING_URI",

@@ -44,10 +44,6 @@ KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset", L
 late (alerts count only readings that arrived within the watermark)."""
 PINS_KEPT = 200
 """Pins older than this many batches are deleted (Spark itself keeps 100 batches of offsets)."""
-CATCH_UP_BYTES = 1024 * 1024
-"""Silver read per batch, about 30,000 readings (Delta's ``maxBytesPerTrigger``, a soft cap: a file is never
-split): a scorer catching up (its first model, a restart) scores the backlog in several batches, each visible
-when done, instead of one batch for all of it."""
 
 
 class ModelUnavailable(RuntimeError):
@@ -207,9 +203,11 @@ def write_scores_batch(settings: Settings) -> Callable[[DataFrame, int], None]:
 
 
 def start_scoring(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
+    """The scorer's query: silver in batches of at most ``IOTMON_SCORER_BATCH_BYTES``, so a scorer catching up
+    (its first model, a restart) scores its backlog in several batches, each visible when done."""
     ensure_anomalies_table(spark, settings)
     checkpoint = settings.checkpoint_path(ANOMALIES)
-    silver = spark.readStream.format("delta").option("maxBytesPerTrigger", CATCH_UP_BYTES)
+    silver = spark.readStream.format("delta").option("maxBytesPerTrigger", settings.scorer_batch_bytes)
     silver = silver.load(settings.table_path(SILVER))
     return (
         silver.writeStream.queryName(ANOMALIES)

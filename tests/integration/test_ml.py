@@ -170,11 +170,16 @@ def test_the_scorers_silver_reader_reads_each_device_in_its_range(archive, spark
 def test_scorer_scores_every_reading_and_follows_a_promotion_without_restart(archive, spark) -> None:
     settings, truth = archive
     assert train(spark, settings, TrainOptions(truth=(truth,))).version == 1
+    # A cap of one byte: the backlog is scored a file a batch (the cap is soft: whole files).
+    settings = dataclasses.replace(settings, scorer_batch_bytes=1)
+    silver_files = spark.sql(f"DESCRIBE DETAIL delta.`{settings.table_path(SILVER)}`").first()["numFiles"]
     query = start_scoring(spark, settings, {"processingTime": "1 second"})
     try:
         silver_rows = _keys(spark, settings, SILVER).count()
         wait_for(lambda: _keys(spark, settings, ANOMALIES).count() >= silver_rows, 240, "first scores")
         first_batches = len(query.recentProgress)
+        backlog_batches = [p for p in query.recentProgress if p["numInputRows"] > 0]
+        assert silver_files > 1 and len(backlog_batches) == silver_files, (silver_files, len(backlog_batches))
 
         # A data scientist promotes a new version while the scorer runs; then new readings arrive. This one is
         # fitted on a fifth of the fleet's devices: the sample a large archive gets.
