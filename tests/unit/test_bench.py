@@ -486,21 +486,26 @@ def test_run_when_idle_reaches_every_thread_of_a_child_process() -> None:
 
 @pytest.mark.parametrize("own_session", [True, False])
 def test_a_process_lowers_its_session_only_if_it_leads_it(own_session: bool) -> None:
-    autogroup = "Path('/proc/self/autogroup')"
+    # A process in the boot session's autogroup (PID 1's, which a container's or CI's first shell may share)
+    # reads an empty /proc/self/autogroup: sched_autogroup prints nothing for the root group. So the whole text
+    # is compared, not its last word.
     code = (
-        "from pathlib import Path; from iotmon.processes import yield_the_session; "
-        f"print(yield_the_session(), {autogroup}.read_text().split()[-1] if {autogroup}.exists() else '-')"
+        "import json; from pathlib import Path; from iotmon.processes import yield_the_session; "
+        "group = Path('/proc/self/autogroup'); "
+        "print(json.dumps([yield_the_session(), group.read_text().strip() if group.exists() else None]))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], start_new_session=own_session, capture_output=True, text=True, check=True
-    )
-    lowered, nice = done.stdout.split()
+    done = subprocess.run([sys.executable, "-c", code], start_new_session=own_session, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lowered, group = json.loads(done.stdout)
     ours = Path("/proc/self/autogroup")
     if not ours.exists():  # a kernel without autogroups: there is nothing to lower
-        assert (lowered, nice) == ("False", "-")
+        assert (lowered, group) == (False, None)
         return
-    assert lowered == str(own_session)
-    assert nice == ("19" if own_session else ours.read_text().split()[-1])
+    assert lowered is own_session
+    if own_session:  # a new session is a new autogroup, lowered to the weakest nice
+        assert group.endswith(" nice 19")
+    else:  # the caller's session, and so its autogroup, left as it was
+        assert group == ours.read_text().strip()
 
 
 def test_freshness_trend_judges_the_tables_every_reading_moves() -> None:
