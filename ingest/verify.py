@@ -2,8 +2,8 @@
 
 Per partition, bronze's offsets must be exactly Kafka's ``[low, high)`` (the producer is idempotent and
 not transactional, so offsets are contiguous). Offsets below ``low`` are records archived before Kafka's
-retention deleted them, which is what an archive is for. Quarantine must be exactly bronze's malformed
-rows. Given the simulator's ground truth, every delivered send must sit in bronze at the offset the
+retention deleted them, which is what an archive is for. Quarantine's bronze stage must be exactly bronze's
+malformed rows, and its silver stage (readings of unregistered devices) must hold no record twice. Given the simulator's ground truth, every delivered send must sit in bronze at the offset the
 broker acknowledged, parsed as what was sent, and every corrupted send must be quarantined. A send the
 broker acknowledged without an offset (``OFFSET_UNKNOWN``) is found by its content instead.
 """
@@ -18,6 +18,7 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from ingest.bronze import BRONZE_STAGE
+from ingest.silver import SILVER_STAGE
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
 from iotmon.schema import BRONZE, DEVICE_ID, PARSE_ERROR, QUARANTINE, SEQ
@@ -64,6 +65,8 @@ class Reconciliation:
     quarantine_rows: int
     quarantine_not_in_bronze: int
     quarantine_duplicates: int
+    rejects_repeated: int = 0
+    """Extra copies of readings rejected at the silver stage (unregistered devices): each record is quarantined once."""
     truth: TruthCheck | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -79,6 +82,8 @@ class Reconciliation:
             found.append(f"{self.quarantine_not_in_bronze:,} quarantine rows are not in bronze")
         if self.quarantine_duplicates:
             found.append(f"{self.quarantine_duplicates:,} quarantine rows are duplicated")
+        if self.rejects_repeated:
+            found.append(f"{self.rejects_repeated:,} rejected readings are quarantined more than once")
         if self.quarantine_rows - self.quarantine_duplicates != self.bronze_malformed - self.quarantine_not_in_bronze:
             found.append(
                 f"quarantine holds {self.quarantine_rows:,} rows but bronze has {self.bronze_malformed:,} "
@@ -269,13 +274,15 @@ def reconcile(spark: SparkSession, settings: Settings, truth_files: Sequence[Pat
         )
         .cache()
     )
-    quarantine = (
-        spark.read.format("delta")
-        .load(settings.table_path(QUARANTINE))
-        .where((F.col("topic") == settings.topic) & (F.col("stage") == BRONZE_STAGE))
+    quarantined = (
+        spark.read.format("delta").load(settings.table_path(QUARANTINE)).where(F.col("topic") == settings.topic)
     )
+    quarantine = quarantined.where(F.col("stage") == BRONZE_STAGE)
     keys = ["topic", "partition", "offset"]
     quarantine_rows = quarantine.count()
+    # Silver's rejects were judged by the registry of their day, so they are not recomputed; none may be twice.
+    copies = quarantined.where(F.col("stage") == SILVER_STAGE).groupBy(*keys).count()
+    rejects_repeated = copies.agg(F.sum(F.col("count") - 1)).first()[0] or 0
     result = Reconciliation(
         topic=settings.topic,
         partitions=_partition_checks(spark, bronze, offsets),
@@ -283,6 +290,7 @@ def reconcile(spark: SparkSession, settings: Settings, truth_files: Sequence[Pat
         quarantine_rows=quarantine_rows,
         quarantine_not_in_bronze=quarantine.join(bronze, keys, "left_anti").count(),
         quarantine_duplicates=quarantine_rows - quarantine.select(*keys).distinct().count(),
+        rejects_repeated=rejects_repeated,
         truth=_truth_check(spark, bronze, truth_files) if truth_files else None,
     )
     if not offsets:

@@ -23,10 +23,12 @@ def test_each_kind_of_mismatch_is_reported() -> None:
     result = _exact()
     result.partitions[0] = PartitionCheck(0, 0, 10, 11, missing=1, duplicates=2, beyond_high=0)
     result.quarantine_rows = 1
+    result.rejects_repeated = 2
     result.truth = TruthCheck(17, 17, missing_from_bronze=1, parsed_differently=0, malformed_accepted=3)
     problems = result.problems
     assert any("partition 0: 1 Kafka records missing, 2 duplicated" in p for p in problems)
     assert any("quarantine holds 1 rows but bronze has 2" in p for p in problems)
+    assert "2 rejected readings are quarantined more than once" in problems
     assert any("1 delivered sends missing" in p and "3 corrupted sends accepted" in p for p in problems)
     assert "RESULT: MISMATCH" in result.report()
 
