@@ -6,9 +6,10 @@ commit (readers see the old table or the new one, never a mix), and the downstre
 reset so the stream resumes on top of the rebuilt tables:
 
 * the late-arrivals query resumes after the bronze version the backfill read (``iotmon.bronzeVersion`` on
-  silver); the ingest query, which reads Kafka, goes on appending to the rebuilt silver, whose commit carries
-  the ingest query's ledger tag of the last batch bronze holds: a batch killed between its bronze and silver
-  commits is replayed after the backfill without landing its readings twice;
+  silver); the ingest query, which reads Kafka, goes on appending to the rebuilt silver and quarantine, whose
+  commits carry the ingest query's ledger tag of the last batch bronze holds: a batch killed after its bronze
+  commit and before its quarantine or silver one is replayed after the backfill without landing its rejects or
+  readings twice;
 * the gold queries re-derive their state from the rebuilt silver and skip final rows the backfill
   already wrote (``iotmon.finalThrough`` on ``device_windows``), so nothing is written twice;
 * device status is cleared and re-derived by its query from silver.
@@ -31,9 +32,9 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from ingest.bronze import quarantine_rows
 from ingest.landing import BRONZE_VERSION
 from ingest.silver import (
-    SILVER_STAGE,
     LatenessRules,
     classify_readings,
     distinct_readings,
@@ -97,11 +98,12 @@ def _replace(frame: DataFrame, path: str, tag: str | None = None) -> int:
 
 def ingest_tag(spark: SparkSession, settings: Settings, bronze_version: int) -> str | None:
     """The ingest query's ledger tag (``iotmon.lake.BatchLedger``) of the last batch bronze holds at
-    ``bronze_version``, for silver's rebuilt commit; None before the query has landed a batch.
+    ``bronze_version``, for silver's and quarantine's rebuilt commits; None before the query has landed a batch.
 
-    Silver rebuilt from bronze holds every reading of every batch bronze holds. An ingest batch killed after
-    its bronze commit and before its silver one is replayed when the stream resumes: its state says its
-    readings are new, so without the tag it would append them to the rebuilt silver a second time."""
+    Silver and quarantine rebuilt from bronze hold every reading and every reject of every batch bronze holds.
+    An ingest batch killed after its bronze commit and before its quarantine or silver one is replayed when the
+    stream resumes: its state says its readings are new, and its rejects are in no table it has tagged, so
+    without the tag it would append them to the rebuilt tables a second time."""
     ledger = BatchLedger(settings.checkpoint_path(INGEST))
     try:
         app_id = ledger.identify(spark)
@@ -135,19 +137,15 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
     def step(name: str) -> None:
         say(f"backfill: {name} ({time.monotonic() - started:.0f}s)", out)
 
-    step(f"silver from bronze version {bronze_version}")
+    step(f"silver and quarantine from bronze version {bronze_version}")
     classified = classify_readings(bronze, devices, LatenessRules.from_settings(settings)).localCheckpoint()
-    silver_tag = ingest_tag(spark, settings, bronze_version)
-    result.rows[SILVER] = _replace(distinct_readings(silver_rows(classified)), table(SILVER), silver_tag)
+    tag = ingest_tag(spark, settings, bronze_version)
+    result.rows[SILVER] = _replace(distinct_readings(silver_rows(classified)), table(SILVER), tag)
     _set_property(spark, table(SILVER), BRONZE_VERSION, str(bronze_version))
-    # Silver's rejects are re-derived too (the registry may have changed); bronze's own stay as they are.
-    (
-        rejected_rows(classified)
-        .write.format("delta")
-        .mode("overwrite")
-        .option("replaceWhere", f"stage = '{SILVER_STAGE}'")
-        .save(table(QUARANTINE))
-    )
+    # Quarantine whole, as the ingest query wrote it, with the same tag: bronze keeps each record's parse error,
+    # so its rejects come back as they were, and silver's are judged again (the registry may have changed).
+    rejects = quarantine_rows(bronze).unionByName(rejected_rows(classified))
+    result.rows[QUARANTINE] = _replace(rejects, table(QUARANTINE), tag)
 
     silver = spark.read.format("delta").load(table(SILVER)).localCheckpoint()
     newest = silver.agg(F.max(EVENT_TIME)).first()[0]

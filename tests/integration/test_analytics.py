@@ -27,6 +27,7 @@ from iotmon.schema import (
     DEVICE_WINDOWS,
     LIVE_WINDOWS,
     ON_TIME,
+    QUARANTINE,
     SILVER,
     STREAM_CLOCK,
     TOO_LATE,
@@ -190,13 +191,13 @@ def test_backfill_rebuilds_what_the_stream_produced_and_a_second_run_extends_it(
     watermark_after_first, _ = final_watermarks(spark, isolated)
     streamed = {
         table: spark.read.format("delta").load(isolated.table_path(table)).localCheckpoint()
-        for table in (SILVER, *FINAL_TABLES, LIVE_WINDOWS)
+        for table in (SILVER, QUARANTINE, *FINAL_TABLES, LIVE_WINDOWS)
     }
 
     result = backfill(spark, isolated)
     assert result.final_through is not None
 
-    keys = {SILVER: READING_KEY, **KEYS}
+    keys = {SILVER: READING_KEY, QUARANTINE: ("stage", "topic", "partition", "offset"), **KEYS}
     for table, before in streamed.items():
         after = spark.read.format("delta").load(isolated.table_path(table)).select(*before.columns)
         rows, problems = compare_tables(before, after, keys[table], table)

@@ -1,7 +1,8 @@
 """Silver's two writers: readings Kafka delivered later than the watermark reach silver once each, however their
 copies fall between the ingest and late-arrivals queries; a commit of one writer that lands while the other
 looks silver up makes the other's append refused, and the lookup is done again instead of failing the query;
-an ingest batch killed between its bronze and silver commits, replayed after a backfill, lands nothing twice."""
+an ingest batch killed between its bronze commit and its quarantine or silver commit, replayed after a backfill,
+lands nothing twice."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from ingest import landing
+from ingest.verify import reconcile
 from iotmon.config import Settings
 from iotmon.kafka import ensure_topic, make_producer
 from iotmon.lake import append_once, create_table, ledger_for
@@ -26,6 +28,7 @@ from iotmon.schema import (
     LATE,
     LATE_ARRIVALS,
     ON_TIME,
+    QUARANTINE,
     SILVER,
     SILVER_SCHEMA,
     TOO_LATE,
@@ -175,3 +178,44 @@ def test_a_batch_killed_between_bronze_and_silver_and_replayed_after_a_backfill_
     counts = {key: len(copies) for key, copies in _silver(spark, isolated).items()}
     assert counts == {("dev-a", seq): 1 for seq in range(1, 21)}
     assert _rows(spark, isolated, BRONZE) == 20
+
+
+def test_a_batch_killed_between_bronze_and_quarantine_and_replayed_after_a_backfill_quarantines_each_reject_once(
+    spark: SparkSession, isolated: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _lake(spark, isolated)
+    _publish(isolated, [("dev-a", seq, 2 * seq, 0.5) for seq in range(1, 6)])
+    drain_until_idle(spark, isolated, [SILVER])
+    # The next batch: a reading, a reading of a device the registry lacks (silver's reject) and a record no
+    # parser reads (bronze's).
+    _publish(isolated, [("dev-a", 6, 12, 0.5), ("dev-z", 1, 12, 0.5)])
+    producer = make_producer(isolated)
+    producer.produce(isolated.topic, value=b"{not json", key=b"dev-a")
+    assert producer.flush(30) == 0
+
+    quarantine = isolated.table_path(QUARANTINE)
+
+    def killed_at_quarantine(rows: pa.Table, path: str, *args: object, **options: object) -> None:
+        if path == quarantine:
+            raise RuntimeError("killed between the bronze and the quarantine commit")
+        append_once(rows, path, *args, **options)
+
+    monkeypatch.setattr(landing, "append_once", killed_at_quarantine)
+    with pytest.raises(QueryFailed, match="killed between the bronze and the quarantine commit"):
+        drain_until_idle(spark, isolated, [SILVER])
+    monkeypatch.undo()
+    assert (_rows(spark, isolated, BRONZE), _rows(spark, isolated, QUARANTINE)) == (8, 0)
+
+    def stages() -> list[tuple[str, str | None]]:
+        rows = spark.read.format("delta").load(quarantine).select("stage", "key").collect()
+        return sorted((row["stage"], row["key"]) for row in rows)
+
+    backfill(spark, isolated)  # quarantine rebuilt from bronze holds the killed batch's rejects of both stages
+    assert stages() == [("bronze", "dev-a"), ("silver", "dev-z")]
+    assert drain_until_idle(spark, isolated, [SILVER])[INGEST] == 3  # the killed batch, replayed
+    assert stages() == [("bronze", "dev-a"), ("silver", "dev-z")]
+    assert {key: len(copies) for key, copies in _silver(spark, isolated).items()} == {
+        ("dev-a", seq): 1 for seq in range(1, 7)
+    }
+    archive = reconcile(spark, isolated)
+    assert archive.problems == [] and archive.quarantine_rows == archive.bronze_malformed == 1, archive.report()
