@@ -3,9 +3,10 @@
 Per partition, bronze's offsets must be exactly Kafka's ``[low, high)`` (the producer is idempotent and
 not transactional, so offsets are contiguous). Offsets below ``low`` are records archived before Kafka's
 retention deleted them, which is what an archive is for. Quarantine's bronze stage must be exactly bronze's
-malformed rows, and its silver stage (readings of unregistered devices) must hold no record twice. Given the simulator's ground truth, every delivered send must sit in bronze at the offset the
-broker acknowledged, parsed as what was sent, and every corrupted send must be quarantined. A send the
-broker acknowledged without an offset (``OFFSET_UNKNOWN``) is found by its content instead.
+malformed rows, and its silver stage (readings of unregistered devices) must hold no record twice. Given the
+simulator's ground truth, every delivered send must sit in bronze at the offset the broker acknowledged,
+parsed as what was sent, and every corrupted send must be quarantined. A send the broker acknowledged
+without an offset (``OFFSET_UNKNOWN``) is found by its content instead.
 """
 
 from __future__ import annotations
