@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from iotmon.config import Settings, interval_seconds
@@ -30,6 +31,9 @@ from iotmon.schema import ALERTS, DEVICE_SESSIONS, DEVICE_STATUS_CHANGES, FRESHN
 EVENT_DRIVEN: frozenset[str] = frozenset({DEVICE_STATUS_CHANGES, ALERTS, DEVICE_SESSIONS})
 """Tables whose newest event moves only when something happens (a status change, an incident, a session's end):
 their freshness grows between events by design, so a trend says nothing about keeping up."""
+TROUGH_SLICE_S = 75.0
+"""The shortest slice of a run whose trough ``_trough_growth_s_per_min`` takes: a minute's trigger and its batch."""
+TROUGH_SLICES = 6
 GROWTH_LIMIT_S_PER_MIN = 1.0
 """A table keeps up when its freshness grows by at most this over the run (seconds a minute, ``freshness_trend``):
 a stream that falls 2 % behind its fleet loses about 1.2 s of event time a minute; one that keeps up wobbles
@@ -85,10 +89,12 @@ def freshness_trend(samples: Iterable[Mapping[str, Any]], since: float, until: f
     last, max and mean seconds behind Kafka, and its growth in seconds a minute; a table whose newest event moves
     with every reading is ``growing`` when that growth exceeds ``GROWTH_LIMIT_S_PER_MIN``. Pure.
 
-    The growth is the envelope's, not a fitted line's: a table written once a trigger falls behind by up to a
-    trigger and catches up, a saw tooth whose fitted line tilts with where the run cuts it (a 60-s tooth over
-    240 s: up to 3.7 s a minute either way), while its peaks stay level. So it is the highest freshness of the
-    last third of the samples against the highest of the first third, over the time between the two thirds."""
+    The growth is the troughs' (``_trough_growth_s_per_min``): a table that keeps up comes back to the same
+    freshness after each write, however far a slow batch (a retraining beside it, a final-windows batch) let it
+    fall behind before; one that does not keep up comes back less far each time. Its peaks say neither: a table
+    written once a trigger is a saw tooth whose peaks jitter by a batch's time, and a single stall of 20 s in the
+    last third of a run read as 2 s a minute of growth for a table at 0 s behind at its first and last samples
+    (docs/cost-model.md, "Which targets exclude each other")."""
     series: dict[str, list[tuple[float, float]]] = {}
     for sample in samples:
         if since <= sample["at"] <= until:
@@ -97,7 +103,7 @@ def freshness_trend(samples: Iterable[Mapping[str, Any]], since: float, until: f
                     series.setdefault(name, []).append((sample["at"], behind))
     trend = {}
     for name, points in sorted(series.items()):
-        growth = _envelope_growth_s_per_min(sorted(points))
+        growth = _trough_growth_s_per_min(sorted(points))
         trend[name] = {
             "samples": len(points),
             "first_s": round(points[0][1], 1),
@@ -116,15 +122,30 @@ def fastest_growth(trend: Mapping[str, Mapping[str, Any]]) -> tuple[str, float] 
     return max(judged, key=lambda item: item[1]) if judged else None
 
 
-def _envelope_growth_s_per_min(points: list[tuple[float, float]]) -> float | None:
-    third = len(points) // 3
-    if third < 2:
+def _trough_growth_s_per_min(points: list[tuple[float, float]]) -> float | None:
+    """The trend of a freshness series' troughs, in seconds a minute; None for a series too short to tell.
+
+    The run is cut into ``TROUGH_SLICES`` slices of equal time (fewer, but at least three, for a shorter run),
+    each at least ``TROUGH_SLICE_S`` long so that it holds a write of a table written once a minute, and the
+    trend is the median of the slopes between every two slices' lowest samples (Theil and Sen's estimator): a
+    slice whose trough a stall hid moves it no more than any other single slice. A stall that outlasts the run's
+    last slices moves it little too; the latencies' percentiles judge stalls.
+    """
+    span = points[-1][0] - points[0][0]
+    slices = min(TROUGH_SLICES, int(span // TROUGH_SLICE_S))
+    if slices < 3:
         return None
-    first, last = points[:third], points[-third:]
-    minutes = (sum(t for t, _ in last) - sum(t for t, _ in first)) / third / 60.0
-    if minutes <= 0:
-        return None
-    return (max(b for _, b in last) - max(b for _, b in first)) / minutes
+    width = span / slices
+    grouped: list[list[tuple[float, float]]] = [[] for _ in range(slices)]
+    for at, behind in points:
+        grouped[min(slices - 1, int((at - points[0][0]) // width))].append((at, behind))
+    troughs = [min(group, key=lambda point: point[1]) for group in grouped if group]
+    slopes = [
+        (later - earlier) / (t_later - t_earlier) * 60.0
+        for i, (t_earlier, earlier) in enumerate(troughs)
+        for t_later, later in troughs[i + 1 :]
+    ]
+    return median(slopes)
 
 
 def main(argv: list[str] | None = None) -> int:

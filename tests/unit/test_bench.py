@@ -287,7 +287,9 @@ def _steady(rate: float, devices: int) -> dict:
 
 
 FRESHNESS = freshness_trend(
-    [{"at": 100.0 + 10 * i, "behind_kafka_s": {"silver": 5.0 + i, "alerts": 30.0 * i}} for i in range(7)], 100.0, 160.0
+    [{"at": 100.0 + 30 * i, "behind_kafka_s": {"silver": 5.0 + 3 * i, "alerts": 30.0 * i}} for i in range(10)],
+    100.0,
+    370.0,
 )
 
 
@@ -382,8 +384,8 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
         "steady state at 2,000 events/s from 500 devices for 10s",
         "beside the stream, cores: trainer 0.31, viewer 0.05 (the trainer every 300 s)",
         "silent device -> offline row: 4 silences, 1 NEVER marked offline; p50 70.0 s, slowest 80.0 s",
-        "  silver                          5s     11s      8s     11s     6.00  GROWING",
-        "  alerts                          0s    180s     90s    180s   180.00  (not judged)",
+        "  silver                          5s     32s     18s     32s     6.00  GROWING",
+        "  alerts                          0s    270s    135s    270s    60.00  (not judged)",
         "stream CPU while publishing: 0.70 cores (7 s in 10 s; 5 batches, 1.40 s of CPU each, records included)",
         "where the cores went: Spark tasks 0.40, JIT compiler 0.20, Python driver 0.10",
         "Delta writes of 500 rows, one kind after the other (20 each timed after 10)",
@@ -523,10 +525,21 @@ def test_freshness_trend_judges_the_tables_every_reading_moves() -> None:
     assert trend["bronze"]["growing"] is False and abs(trend["bronze"]["growth_s_per_min"]) < GROWTH_LIMIT_S_PER_MIN
     assert trend["silver"]["growth_s_per_min"] == pytest.approx(6.0) and trend["silver"]["growing"] is True
     assert trend["alerts"]["growing"] is None  # its newest event moves only with an incident
-    # A table written once a minute: its freshness a 60-s saw tooth, which a line fitted over four minutes
-    # would tilt by seconds a minute; its peaks are level, so it keeps up.
-    tooth = [{"at": float(t), "behind_kafka_s": {"device_windows": 120.0 + (t + 40) % 60}} for t in range(0, 240, 5)]
-    assert freshness_trend(tooth, 0.0, 240.0)["device_windows"]["growing"] is False
+    # A table written once a minute: its freshness a 60-s saw tooth, which a line fitted over the run would
+    # tilt by seconds a minute; it comes back to the same trough after each write, so it keeps up.
+    tooth = [{"at": float(t), "behind_kafka_s": {"device_windows": 120.0 + (t + 40) % 60}} for t in range(0, 600, 5)]
+    assert freshness_trend(tooth, 0.0, 600.0)["device_windows"]["growing"] is False
+    # A table at 0 s behind but for a write every minute and one stall of 20 s late in the run (a retraining
+    # beside it): it keeps up, though its peaks rose from 4 s to 20 s.
+    stalled = {t: 20.0 if 575 <= t < 590 else 4.5 if t % 60 == 25 else 0.0 for t in range(0, 720, 5)}
+    spiky = freshness_trend([{"at": float(t), "behind_kafka_s": {"live": b}} for t, b in stalled.items()], 0, 720)
+    assert spiky["live"]["max_s"] == 20.0 and spiky["live"]["growing"] is False
+    # A saw tooth whose trough rises by 3 s at each of its writes: it falls 3 s a minute further behind.
+    behind = [{"at": float(t), "behind_kafka_s": {"final": 120.0 + 3 * (t // 60) + t % 60}} for t in range(0, 600, 5)]
+    assert freshness_trend(behind, 0.0, 600.0)["final"]["growth_s_per_min"] == pytest.approx(3.0)
+    assert freshness_trend(behind, 0.0, 600.0)["final"]["growing"] is True
+    # Too short a run to tell a trend (fewer than three slices of 75 s).
+    assert freshness_trend(tooth, 0.0, 200.0)["device_windows"]["growing"] is None
     assert fastest_growth(trend) == ("silver", pytest.approx(6.0))
     assert fastest_growth({"alerts": trend["alerts"]}) is None
 
