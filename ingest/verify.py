@@ -278,20 +278,26 @@ def reconcile(spark: SparkSession, settings: Settings, truth_files: Sequence[Pat
     quarantined = (
         spark.read.format("delta").load(settings.table_path(QUARANTINE)).where(F.col("topic") == settings.topic)
     )
-    quarantine = quarantined.where(F.col("stage") == BRONZE_STAGE)
     keys = ["topic", "partition", "offset"]
-    quarantine_rows = quarantine.count()
-    # Silver's rejects were judged by the registry of their day, so they are not recomputed; none may be twice.
-    copies = quarantined.where(F.col("stage") == SILVER_STAGE).groupBy(*keys).count()
-    rejects_repeated = copies.agg(F.sum(F.col("count") - 1)).first()[0] or 0
+    # Each stage's rows and their extra copies, in one action. Silver's rejects were judged by the registry of
+    # their day, so they are not recomputed, but no record may be among them twice.
+    copies = quarantined.groupBy("stage", *keys).count()
+    stages = {
+        row["stage"]: (row["rows"], row["repeated"])
+        for row in copies.groupBy("stage")
+        .agg(F.sum("count").alias("rows"), F.sum(F.col("count") - 1).alias("repeated"))
+        .collect()
+    }
+    quarantine_rows, quarantine_duplicates = stages.get(BRONZE_STAGE, (0, 0))
+    quarantine = quarantined.where(F.col("stage") == BRONZE_STAGE)
     result = Reconciliation(
         topic=settings.topic,
         partitions=_partition_checks(spark, bronze, offsets),
         bronze_malformed=bronze.where(F.col(PARSE_ERROR).isNotNull()).count(),
         quarantine_rows=quarantine_rows,
         quarantine_not_in_bronze=quarantine.join(bronze, keys, "left_anti").count(),
-        quarantine_duplicates=quarantine_rows - quarantine.select(*keys).distinct().count(),
-        rejects_repeated=rejects_repeated,
+        quarantine_duplicates=quarantine_duplicates,
+        rejects_repeated=stages.get(SILVER_STAGE, (0, 0))[1],
         truth=_truth_check(spark, bronze, truth_files) if truth_files else None,
     )
     if not offsets:
