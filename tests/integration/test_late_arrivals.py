@@ -219,3 +219,8 @@ def test_a_batch_killed_between_bronze_and_quarantine_and_replayed_after_a_backf
     }
     archive = reconcile(spark, isolated)
     assert archive.problems == [] and archive.quarantine_rows == archive.bronze_malformed == 1, archive.report()
+    # What the old backfill left after the replay, a silver-stage reject twice, is what verify now reports.
+    spark.read.format("delta").load(quarantine).where("stage = 'silver'").write.format("delta").mode("append").save(
+        quarantine
+    )
+    assert reconcile(spark, isolated).problems == ["1 rejected readings are quarantined more than once"]
