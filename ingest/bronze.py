@@ -7,6 +7,7 @@ batch read (tests, backfills).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import reduce
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -75,8 +76,25 @@ def _typed_fields(raw: Column) -> dict[str, Column]:
 
 
 def _errors(value: Column, raw: Column, typed: dict[str, Column], kafka_ts: Column, rules: PayloadRules) -> Column:
-    """Every problem of a record as a comma-separated list of ``code[:field]``, or null when it is clean."""
+    """Every problem of a record as a comma-separated list of ``code[:field]``, or null when it is clean.
+
+    A clean record is told by a few comparisons, and only the others pay for the list's strings: built for
+    every record, they were a third of the parse (docs/cost-model.md, "A clean record costs no error text")."""
     size = F.octet_length(value)
+    event_time = typed[EVENT_TIME]
+    absurd_time = (event_time < F.lit(rules.min_event_time).cast("timestamp")) | (
+        F.unix_seconds(event_time) > F.unix_seconds(kafka_ts) + rules.max_clock_skew_seconds
+    )
+    non_finite = {name: F.isnan(typed[name]) | typed[name].isin(*_INFINITIES) for name in METRIC_NAMES}
+    clean = reduce(
+        Column.__and__,
+        [
+            (size > 0) & (size <= rules.max_payload_bytes) & F.is_valid_utf8(value.cast("string")) & raw.isNotNull(),
+            *(column.isNotNull() for column in typed.values()),
+            *(~problem for problem in non_finite.values()),
+            ~absurd_time,
+        ],
+    )
     structural = (
         F.when(value.isNull() | (size == 0), F.lit("empty_payload"))
         .when(size > rules.max_payload_bytes, F.concat(F.lit("oversized_payload:"), size.cast("string")))
@@ -89,20 +107,12 @@ def _errors(value: Column, raw: Column, typed: dict[str, Column], kafka_ts: Colu
         )
         for name, column in typed.items()
     ]
-    field_problems += [
-        F.when(F.isnan(typed[name]) | typed[name].isin(*_INFINITIES), F.lit(f"non_finite:{name}"))
-        for name in METRIC_NAMES
-    ]
-    event_time = typed[EVENT_TIME]
-    field_problems.append(
-        F.when(
-            (event_time < F.lit(rules.min_event_time).cast("timestamp"))
-            | (F.unix_seconds(event_time) > F.unix_seconds(kafka_ts) + rules.max_clock_skew_seconds),
-            F.lit("absurd_event_time"),
-        )
-    )
+    field_problems += [F.when(problem, F.lit(f"non_finite:{name}")) for name, problem in non_finite.items()]
+    field_problems.append(F.when(absurd_time, F.lit("absurd_event_time")))
     # concat_ws skips nulls, so only the problems that occurred are listed.
-    return F.coalesce(structural, F.nullif(F.concat_ws(", ", *field_problems), F.lit("")))
+    described = F.coalesce(structural, F.nullif(F.concat_ws(", ", *field_problems), F.lit("")))
+    # Null where a check met a null (no clean record does): described, like any record that is not clean.
+    return F.when(clean, F.lit(None).cast("string")).otherwise(described)
 
 
 def _in_array(text: Column) -> Column:
