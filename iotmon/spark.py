@@ -41,6 +41,8 @@ GARBAGE_COLLECTOR = "-XX:+UseParallelGC"
 """The driver JVM's collector. A batch's garbage dies young; the JDK's default (G1) spent about 0.2 core of the
 stream's 1.25 at the demo's rate, much of it marking concurrently, the throughput collector 0.1 in short pauses
 (docs/cost-model.md, the collector and the checkpoint files)."""
+HOTSPOT_HUGE_METHOD_BYTES = 8000
+"""The largest method HotSpot compiles by default; Spark's whole-stage code generation is held under it."""
 _NAMES_A_COLLECTOR = re.compile(r"-XX:\+Use\w+GC\b")
 
 
@@ -129,6 +131,11 @@ def spark_session(
         # JVM's largest consumer of CPU here. At 500 events/s this cut p95 latencies by a third to a half at the
         # same CPU (docs/cost-model.md).
         .config("spark.sql.codegen.cache.maxEntries", "2000")
+        # HotSpot never JIT-compiles a method over 8,000 bytes of bytecode (-XX:+DontCompileHugeMethods), and
+        # Spark's limit is 65,535: the ingest query's parse generated a 10 KB method that ran interpreted. Over
+        # the limit Spark runs the subtree without whole-stage code generation, each expression in a compiled
+        # method of its own: the ingest query drained 200,000 records a tenth faster (docs/cost-model.md).
+        .config("spark.sql.codegen.hugeMethodLimit", str(HOTSPOT_HUGE_METHOD_BYTES))
         # Not optimizeWrite/autoCompact: measured to cost 3-4x the whole bronze batch here (an extra
         # shuffle and a compaction job per commit); compaction belongs in a maintenance job instead.
     )

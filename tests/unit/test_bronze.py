@@ -9,6 +9,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from ingest.bronze import PayloadRules, parse_records, quarantine_rows
 from iotmon.schema import BRONZE_SCHEMA, QUARANTINE_SCHEMA
+from iotmon.spark import HOTSPOT_HUGE_METHOD_BYTES
 
 KAFKA_TS = dt.datetime(2026, 11, 22, 1, 0, 0)
 GOOD = (
@@ -35,6 +36,15 @@ def test_output_has_the_bronze_schema(spark: SparkSession) -> None:
     assert [(f.name, f.dataType) for f in bronze.schema] == [(f.name, f.dataType) for f in BRONZE_SCHEMA]
     quarantine = quarantine_rows(bronze)
     assert [(f.name, f.dataType) for f in quarantine.schema] == [(f.name, f.dataType) for f in QUARANTINE_SCHEMA]
+
+
+def test_no_generated_method_of_the_parse_is_too_large_for_hotspot_to_compile(spark: SparkSession) -> None:
+    """The parse's whole-stage code is over 8,000 bytes of bytecode, which HotSpot runs interpreted: the session
+    makes Spark run such a subtree without whole-stage code generation instead."""
+    plan = parse_records(_kafka_frame(spark, [GOOD]), RULES)._jdf.queryExecution().debug().codegenToSeq()
+    stage_sizes = [plan.apply(i)._3().maxMethodCodeSize() for i in range(plan.size())]
+    assert max(stage_sizes) > HOTSPOT_HUGE_METHOD_BYTES  # if not, the session's limit may no longer matter
+    assert int(spark.conf.get("spark.sql.codegen.hugeMethodLimit")) == HOTSPOT_HUGE_METHOD_BYTES
 
 
 def test_a_good_reading_is_fully_typed(spark: SparkSession) -> None:
