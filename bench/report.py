@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.progress import BATCH_PHASES
-from bench.stats import Target, ratio
+from bench.stats import Target, rate, ratio
 from bench.viewer import GROWTH_LIMIT_S_PER_MIN
 from iotmon.schema import ANOMALIES, BRONZE, LIVE_WINDOWS
 
@@ -123,6 +123,19 @@ def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _cpu(row: Mapping[str, Any]) -> str:
+    """A drain row's CPU: seconds, cores busy on average and microseconds per event (nothing if not measured)."""
+    if row.get("cpu_seconds") is None:
+        return ""
+    return f"  CPU {row['cpu_seconds']:>6.1f}s = {row['cores']:.2f} cores, {_num(row['cpu_us_per_event'])} us/event"
+
+
+def _shares(parts: Mapping[str, float], seconds: float) -> str:
+    """CPU seconds per part over ``seconds`` of wall time as cores, the largest first (those that used any)."""
+    ordered = sorted(parts.items(), key=lambda part: -part[1])
+    return ", ".join(f"{name} {rate(cpu, seconds):.2f}" for name, cpu in ordered if cpu > 0)
+
+
 def render(report: Mapping[str, Any]) -> str:
     """Every figure of the report as aligned text for the terminal."""
     lines: list[str] = []
@@ -134,7 +147,7 @@ def render(report: Mapping[str, Any]) -> str:
     )
     ceilings = report["ceilings"]
     if _ran(ceilings):
-        lines.append("ceilings (same topic)                         records      seconds     events/s")
+        lines.append("ceilings (same topic)                         records      seconds     events/s   CPU us/event")
         rows = [
             ("simulator publish (backlog)", ceilings["publish"]),
             ("Kafka consumer (confluent-kafka)", ceilings["consumer"]),
@@ -143,19 +156,32 @@ def render(report: Mapping[str, Any]) -> str:
         ]
         for name, row in rows:
             records = row.get("records", row.get("sent"))
-            lines.append(f"  {name:<42}{_num(records):>10} {row['seconds']:>10.2f} {_num(row['events_per_s']):>12}")
+            lines.append(
+                f"  {name:<42}{_num(records):>10} {row['seconds']:>10.2f} {_num(row['events_per_s']):>12}"
+                f" {_num(row.get('cpu_us_per_event')):>14}"
+            )
     drain = report["drain"]
     if _ran(drain):
-        lines.append(f"full pipeline draining a backlog, {drain['mode']}")
+        lines.append(f"full pipeline draining a backlog, {drain['mode']}; CPU of the Spark JVM and this process")
         for q in drain["queries"]:
             state = "skipped (not ready)" if q["skipped"] else f"{_num(q['rows_per_s']):>10} rows/s"
-            lines.append(f"  {q['name']:<22}{_num(q['rows']):>12} rows {q['seconds']:>8.1f}s {state}")
-        for name, path in (("whole path in turn", drain), ("whole path by topology", drain["by_topology"])):
+            lines.append(f"  {q['name']:<22}{_num(q['rows']):>12} rows {q['seconds']:>8.1f}s {state}{_cpu(q)}")
+        topology = drain["by_topology"]
+        for name, path in (("whole path in turn", drain), ("whole path by topology", topology)):
             lines.append(
                 f"  {name:<22}{_num(path['events']):>12} evts {path['seconds']:>8.1f}s "
                 f"{_num(path['events_per_s']):>10} events/s = {_num(path.get('ceiling_share'), 3)} x Spark's ceiling"
+                + _cpu(path)
             )
-        lines.append(f"  (by topology: {drain['by_topology']['mode']})")
+        lines.append(f"  (by topology: {topology['mode']})")
+        if topology.get("cpu_bound_events_per_s"):
+            lines.append(
+                f"  at its CPU per event, {report['machine']['usable_cores']} cores busy with nothing else would drain "
+                f"{_num(topology['cpu_bound_events_per_s'])} events/s = {_num(topology.get('cpu_bound_share'), 3)} x "
+                "Spark's ceiling: the bound no scheduling beats"
+            )
+        if topology.get("cpu_parts"):
+            lines.append(f"  where the cores went: {_shares(topology['cpu_parts'], topology['seconds'])}")
     writes = report["writes"]
     if _ran(writes):
         lines.append(
@@ -222,9 +248,7 @@ def _steady_lines(title: str, steady: Mapping[str, Any]) -> list[str]:
             used += f"; {batches} batches, {cpu['cpu_seconds'] / batches:.2f} s of CPU each, records included"
         lines.append(f"  stream CPU while publishing: {cpu['cores']:.2f} cores ({used})")
         if cpu.get("parts"):
-            parts = sorted(cpu["parts"].items(), key=lambda part: -part[1])
-            shares = ", ".join(f"{name} {seconds / cpu['seconds']:.2f}" for name, seconds in parts if seconds > 0)
-            lines.append(f"  where the cores went: {shares}")
+            lines.append(f"  where the cores went: {_shares(cpu['parts'], cpu['seconds'])}")
         if cpu.get("generated_classes") is not None:
             per_batch = f", {cpu['generated_classes'] / batches:.1f} per batch" if batches else ""
             lines.append(

@@ -30,9 +30,9 @@ from typing import Any
 
 from bench import report as shaping
 from bench.progress import ProgressCollector
-from bench.stats import ratio, summarise_progress
+from bench.stats import cpu_bound, ratio, summarise_progress
 from bench.steady import steady_state
-from bench.system import MemorySampler, directory_bytes, machine_info
+from bench.system import MemorySampler, directory_bytes, jvm_pid, machine_info
 from bench.throughput import (
     consumer_ceiling,
     drain,
@@ -176,8 +176,8 @@ def _phases(
 
     spark = spark_session(base, "iotmon-bench", pool_weights())
     collector = ProgressCollector(source_reads()).install(spark)
-    jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
-    memory = MemorySampler(jvm_pid)
+    jvm = jvm_pid(spark)
+    memory = MemorySampler(jvm)
     memory.start()
     report: dict[str, Any] = dict.fromkeys(shaping.SECTIONS, shaping.SKIPPED)
     report["machine"] = machine_info(base.spark_master)
@@ -241,13 +241,18 @@ def _phases(
                 checkpoints=str((out / "drain-by-topology" / "checkpoints").absolute()),
             )
             write_device_registry(by_topology, options.devices, options.seed)  # as the preload wrote the first's
-            drained["by_topology"] = drain_by_topology(spark, by_topology, published["records"], log)
-            drained["by_topology"]["ceiling_share"] = ratio(drained["by_topology"]["events_per_s"], ceiling)
+            topology = drain_by_topology(spark, by_topology, published["records"], log)
+            # What the same CPU per event would allow with every usable core busy: a bound no scheduling beats.
+            bound = cpu_bound(topology["events"], topology["cpu_seconds"], report["machine"]["usable_cores"])
+            topology["ceiling_share"] = ratio(topology["events_per_s"], ceiling)
+            topology["cpu_bound_events_per_s"] = None if bound is None else round(bound, 1)
+            topology["cpu_bound_share"] = ratio(bound, ceiling)
+            drained["by_topology"] = topology
             report["drain"] = drained
         if options.runs("writes"):
             log(f"writes: Delta appends and MERGEs of {options.devices:,} rows, {options.write_rounds} of each timed")
             report["writes"] = write_costs(
-                spark, out / "writes", jvm_pid, options.devices, options.write_rounds, options.write_warmup, log
+                spark, out / "writes", jvm, options.devices, options.write_rounds, options.write_warmup, log
             )
         demo = DemoOptions()
         steady_runs = (

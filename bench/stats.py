@@ -40,6 +40,14 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def cpu_bound(events: int, cpu_seconds: float | None, cores: float | None) -> float | None:
+    """The most events a second ``cores`` could drain at the CPU a drain spent per event: every core busy with
+    nothing else, so a bound that no scheduling beats, only less CPU per event (None without a figure)."""
+    if not cpu_seconds or not cores or events <= 0:
+        return None
+    return cores * events / cpu_seconds
+
+
 def state_bounded(state_rows: Sequence[int]) -> bool | None:
     """Whether state stopped growing (see ``BOUNDED_GROWTH``); None with too few batches to tell."""
     if len(state_rows) < MIN_BATCHES_FOR_BOUNDED:

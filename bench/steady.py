@@ -32,7 +32,7 @@ from pyspark.sql import SparkSession
 
 from bench.latency import measure, offline_latency, window_latency
 from bench.progress import ProgressCollector
-from bench.system import CpuMeter, process_tree_cpu_seconds
+from bench.system import CpuMeter, jvm_pid, process_tree_cpu_seconds
 from bench.throughput import Log, drain_concurrently, topic_records
 from bench.viewer import fastest_growth, freshness_trend, read_samples
 from iotmon.config import Settings
@@ -105,8 +105,7 @@ def steady_state(
 
     # The stream's CPU while the fleet publishes at the rate: Spark's JVM, its Python workers and this process,
     # where the foreachBatch functions run (the simulator, the trainer and the viewer are processes of their own).
-    jvm = spark.sparkContext._jvm
-    cpu = CpuMeter(int(jvm.java.lang.ProcessHandle.current().pid()), os.getpid(), spark_counters(jvm))
+    cpu = CpuMeter(jvm_pid(spark), os.getpid(), spark_counters(spark.sparkContext._jvm))
 
     def publish() -> None:
         try:

@@ -215,6 +215,17 @@ def cpu_by_role(
     return by_role
 
 
+def jvm_pid(spark: Any) -> int:
+    """The process id of a local Spark session's JVM (the driver, and in local mode every executor thread)."""
+    return int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+
+
+def application_cpu(spark: Any) -> CpuMeter:
+    """A ``CpuMeter`` of this Spark application: its JVM with every process under it, and this Python process,
+    where ``foreachBatch`` functions run. Not the broker's: the pipeline's own cost, as the ceiling's is Spark's."""
+    return CpuMeter(jvm_pid(spark), os.getpid())
+
+
 class CpuMeter:
     """Average cores a Spark application used between ``start()`` and ``stop()``, and where they went.
 

@@ -30,6 +30,7 @@ from pyspark.sql import SparkSession
 
 from bench.progress import ProgressCollector
 from bench.stats import rate
+from bench.system import application_cpu
 from ingest.landing import kafka_records
 from iotmon.config import Settings
 from iotmon.kafka import partition_offsets
@@ -106,7 +107,9 @@ def consumer_ceiling(settings: Settings, expected: int, timeout: float = 300.0) 
 
 
 def spark_noop_ceiling(spark: SparkSession, settings: Settings, checkpoint: str) -> dict[str, Any]:
-    """readStream kafka (the archive's options) -> writeStream noop, available-now: Spark's own ceiling."""
+    """readStream kafka (the archive's options) -> writeStream noop, available-now: Spark's own ceiling, and the
+    CPU it spent per event."""
+    cpu = application_cpu(spark).start()
     started = time.monotonic()
     query = (
         kafka_records(spark, settings)
@@ -118,6 +121,7 @@ def spark_noop_ceiling(spark: SparkSession, settings: Settings, checkpoint: str)
     )
     progress = await_batches(query, 10.0)
     seconds = time.monotonic() - started
+    used = cpu.stop()
     rows = sum(p["numInputRows"] for p in progress)
     in_batches = sum(p["durationMs"].get("triggerExecution", 0) for p in progress) / 1000
     return {
@@ -125,17 +129,31 @@ def spark_noop_ceiling(spark: SparkSession, settings: Settings, checkpoint: str)
         "seconds": round(seconds, 3),
         "batch_seconds": round(in_batches, 3),
         "events_per_s": round(rate(rows, seconds), 1),
+        **cpu_figures(used, rows),
+    }
+
+
+def cpu_figures(used: Mapping[str, Any], events: int) -> dict[str, Any]:
+    """What a ``CpuMeter`` measured over a drain of ``events``: CPU seconds, cores busy on average, and the
+    microseconds of CPU per event, the figure the drain's rate is bound by (``bench.stats.cpu_bound``)."""
+    return {
+        "cpu_seconds": used["cpu_seconds"],
+        "cores": used["cores"],
+        "cpu_us_per_event": round(1e6 * rate(used["cpu_seconds"], events), 1),
     }
 
 
 def drain(spark: SparkSession, settings: Settings, records: int, log: Log) -> dict[str, Any]:
-    """Every query in turn with the available-now trigger; the path's time is the sum of theirs."""
+    """Every query in turn with the available-now trigger; the path's time is the sum of theirs, and so is its
+    CPU: each query's share of the path's cost."""
     ensure_tables(spark, settings)
     timed = []
     for spec in queries():
+        cpu = application_cpu(spark).start()
         started = time.monotonic()
         rows = run_until_idle(spark, settings, [spec], out=sys.stderr)
         seconds = time.monotonic() - started
+        used = cpu.stop()
         timed.append(
             {
                 "name": spec.name,
@@ -143,33 +161,44 @@ def drain(spark: SparkSession, settings: Settings, records: int, log: Log) -> di
                 "seconds": round(seconds, 3),
                 "rows_per_s": round(rate(rows.get(spec.name) or 0, seconds), 1),
                 "skipped": spec.name not in rows,
+                **cpu_figures(used, records),
             }
         )
     total = sum(q["seconds"] for q in timed)
-    log(f"drain: {records:,} events through {len(timed)} queries in {total:.1f}s")
+    cpu_seconds = round(sum(q["cpu_seconds"] for q in timed), 3)
+    log(f"drain: {records:,} events through {len(timed)} queries in {total:.1f}s, {cpu_seconds:.1f}s of CPU")
     return {
         "mode": "in turn (available-now, one query after the other)",
         "events": records,
         "seconds": round(total, 3),
         "events_per_s": round(rate(records, total), 1),
+        **cpu_figures({"cpu_seconds": cpu_seconds, "cores": round(rate(cpu_seconds, total), 3)}, records),
         "queries": timed,
     }
 
 
 def drain_by_topology(spark: SparkSession, settings: Settings, records: int, log: Log) -> dict[str, Any]:
     """Every query with the available-now trigger as ``iotmon stream --until-idle`` drains: each once the queries
-    upstream of it have finished, the others beside it. The path's time is the wall time of the whole."""
+    upstream of it have finished, the others beside it. The path's time is the wall time of the whole; its CPU,
+    and where the cores went (``CpuMeter``'s parts), say how much of that time the cores were busy."""
     ensure_tables(spark, settings)
+    cpu = application_cpu(spark).start()
     started = time.monotonic()
     rows = drain_until_idle(spark, settings)
     seconds = time.monotonic() - started
-    log(f"drain: {records:,} events through every query by the topology in {seconds:.1f}s")
+    used = cpu.stop()
+    log(
+        f"drain: {records:,} events through every query by the topology in {seconds:.1f}s, "
+        f"{used['cpu_seconds']:.1f}s of CPU ({used['cores']:.2f} cores)"
+    )
     return {
         "mode": "available-now, each query once the queries upstream of it have finished, the others beside it, "
         "as iotmon stream --until-idle drains",
         "events": records,
         "seconds": round(seconds, 3),
         "events_per_s": round(rate(records, seconds), 1),
+        **cpu_figures(used, records),
+        "cpu_parts": used["parts"],
         "rows": rows,
     }
 

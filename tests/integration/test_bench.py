@@ -46,6 +46,8 @@ def test_bench_measures_ceilings_and_the_whole_pipeline_and_reports_them(
     assert ceilings["publish"]["records"] == EVENTS
     for name in ("consumer", "spark_noop_cold", "spark_noop"):
         assert ceilings[name]["records"] == EVENTS and ceilings[name]["events_per_s"] > 0
+    # Spark's CPU per event, beside the ceiling: the JVM reads the topic and this process waits.
+    assert ceilings["spark_noop"]["cpu_seconds"] > 0 and ceilings["spark_noop"]["cpu_us_per_event"] > 0
 
     drain = written["drain"]
     rows = {q["name"]: q["rows"] for q in drain["queries"]}
@@ -59,6 +61,14 @@ def test_bench_measures_ceilings_and_the_whole_pipeline_and_reports_them(
     # much as it did in turn.
     by_topology = drain["by_topology"]
     assert by_topology["rows"] == rows and by_topology["ceiling_share"] > 0
+    # Each query's CPU in turn adds up to the path's; by the topology, the cores were busy for part of the wall
+    # time at most, and the rate its CPU would allow on every usable core bounds the rate it reached.
+    assert all(q["cpu_seconds"] > 0 for q in drain["queries"])
+    assert drain["cpu_seconds"] == pytest.approx(sum(q["cpu_seconds"] for q in drain["queries"]), abs=0.01)
+    assert 0 < by_topology["cores"] <= written["machine"]["usable_cores"] + 0.5
+    assert "Spark tasks" in by_topology["cpu_parts"]
+    assert by_topology["cpu_bound_events_per_s"] >= 0.9 * by_topology["events_per_s"]
+    assert by_topology["cpu_bound_share"] >= 0.9 * by_topology["ceiling_share"]
 
     # Three appends of the fleet keep every row; three MERGEs of the same keys leave one row per device, the last.
     writes = written["writes"]["kinds"]

@@ -22,7 +22,7 @@ from bench.features import synthetic_silver
 from bench.latency import SETTLE_S, Latency, offline_delays
 from bench.progress import BATCH_PHASES, ProgressCollector
 from bench.run import BenchOptions
-from bench.stats import Target, percentile, rate, ratio, state_bounded, summarise_progress
+from bench.stats import Target, cpu_bound, percentile, rate, ratio, state_bounded, summarise_progress
 from bench.system import (
     ENDED_THREADS,
     OTHER_THREADS,
@@ -66,6 +66,13 @@ def test_rates_and_ratios_never_divide_by_zero() -> None:
     assert rate(100, 0.0) == 0.0
     assert ratio(50.0, 100.0) == 0.5
     assert ratio(50.0, None) is None and ratio(None, 2.0) is None and ratio(1.0, 0.0) is None
+
+
+def test_the_cpu_bound_is_what_every_core_could_drain_at_the_cpu_per_event_spent() -> None:
+    # 40 s of CPU for 200,000 events is 200 us an event: two cores busy with nothing else drain 10,000 a second.
+    assert cpu_bound(200_000, 40.0, 2) == pytest.approx(10_000.0)
+    assert cpu_bound(200_000, 40.0, 1) == pytest.approx(5_000.0)
+    assert cpu_bound(200_000, 0.0, 2) is None and cpu_bound(0, 40.0, 2) is None and cpu_bound(10, 1.0, None) is None
 
 
 def test_state_is_bounded_when_it_stops_growing() -> None:
@@ -295,14 +302,21 @@ FRESHNESS = freshness_trend(
 
 def _report() -> dict:
     return {
-        "machine": machine_info("local[2]", meminfo=MEMINFO),
+        "machine": {**machine_info("local[2]", meminfo=MEMINFO), "cores": 2, "usable_cores": 2},
         "settings": {"started_at": "2026-11-22T10:00:00+00:00"},
         "model": {"readings": 6000},
         "ceilings": {
             "publish": {"sent": 1000, "records": 1000, "seconds": 0.1, "events_per_s": 10_000.0},
             "consumer": {"records": 1000, "seconds": 0.05, "events_per_s": 20_000.0},
             "spark_noop_cold": {"records": 1000, "seconds": 0.2, "events_per_s": 5_000.0},
-            "spark_noop": {"records": 1000, "seconds": 0.1, "events_per_s": 10_000.0},
+            "spark_noop": {
+                "records": 1000,
+                "seconds": 0.1,
+                "events_per_s": 10_000.0,
+                "cpu_seconds": 0.15,
+                "cores": 1.5,
+                "cpu_us_per_event": 150.0,
+            },
         },
         "drain": {
             "mode": "in turn",
@@ -311,7 +325,16 @@ def _report() -> dict:
             "events_per_s": 1000.0,
             "ceiling_share": 0.1,
             "queries": [
-                {"name": "bronze", "rows": 1000, "seconds": 0.5, "rows_per_s": 2000.0, "skipped": False},
+                {
+                    "name": "bronze",
+                    "rows": 1000,
+                    "seconds": 0.5,
+                    "rows_per_s": 2000.0,
+                    "skipped": False,
+                    "cpu_seconds": 0.8,
+                    "cores": 1.6,
+                    "cpu_us_per_event": 800.0,
+                },
                 {"name": "anomalies", "rows": None, "seconds": 0.0, "rows_per_s": 0.0, "skipped": True},
             ],
             "by_topology": {
@@ -320,6 +343,12 @@ def _report() -> dict:
                 "seconds": 0.8,
                 "events_per_s": 1250.0,
                 "ceiling_share": 0.125,
+                "cpu_seconds": 1.2,
+                "cores": 1.5,
+                "cpu_us_per_event": 1200.0,
+                "cpu_parts": {"Spark tasks": 0.8, "Python driver": 0.4, "JIT compiler": 0.0},
+                "cpu_bound_events_per_s": 1666.7,
+                "cpu_bound_share": 0.16667,
                 "rows": {"bronze": 1000},
             },
         },
@@ -390,6 +419,11 @@ def test_render_names_every_phase_and_target(tmp_path: Path) -> None:
         "where the cores went: Spark tasks 0.40, JIT compiler 0.20, Python driver 0.10",
         "Delta writes of 500 rows, one kind after the other (20 each timed after 10)",
         "  merge                     1.28 s CPU     0.90 s wall",
+        "  Spark Kafka -> noop, warm (the ceiling)        1,000       0.10       10,000            150",
+        "  bronze                       1,000 rows      0.5s      2,000 rows/s  CPU    0.8s = 1.60 cores, 800 us/event",
+        "= 0.125 x Spark's ceiling  CPU    1.2s = 1.50 cores, 1,200 us/event",
+        "at its CPU per event, 2 cores busy with nothing else would drain 1,667 events/s = 0.167 x Spark's ceiling",
+        "  where the cores went: Spark tasks 1.00, Python driver 0.50\n",
         "a MERGE costs 8.0 x an append's CPU; Spark's MERGE 20.0 x the project's, Spark's append 4.0 x the project's",
         "in batches",
         "classes generated and compiled meanwhile: 40, 8.0 per batch",
