@@ -6,8 +6,9 @@ every Delta commit, checkpoint and state file and Parquet file of every micro-ba
 processes from the Spark JVM (docs/cost-model.md, the local file system's processes). Three small classes
 (``iotmon/java/iotmon/hadoop``) do the same through the JDK, in the process; ``iotmon setup`` compiles them
 once into the cache, and a local Spark session puts them first on its class path and names them Hadoop's
-``file:`` file systems. A cluster's executors would need the jar as well, so a session with a cluster master
-keeps Hadoop's own, as does a machine whose Java has no compiler (a JRE): the same files, only slower.
+``file:`` file systems (a session in a cache without it builds it first, ``ensure``). A cluster's executors
+would need the jar as well, so a session with a cluster master keeps Hadoop's own, as does a machine whose Java
+has no compiler (a JRE): the same files, only slower.
 """
 
 from __future__ import annotations
@@ -106,6 +107,22 @@ def build(settings: Settings) -> tuple[Path, float] | None:
         if stale != path:
             stale.unlink()
     return path, time.monotonic() - started
+
+
+_ATTEMPTED: set[Path] = set()
+"""The jars this process has tried to build already (``ensure``): a failure is said once, not at every session."""
+
+
+def ensure(settings: Settings) -> None:
+    """Build the jar for a local session whose cache ``iotmon setup`` did not prepare (a new ``IOTMON_HOME`` or
+    ``IOTMON_CACHE_DIR``), as Spark's jars are resolved on first use: about 2 s once, so that every local session
+    runs on the same file system and a bench in a new home measures what the stream runs. Said on stderr, as
+    ``iotmon setup`` says it; without a compiler Hadoop's own is used (only slower)."""
+    path = jar_path(settings)
+    if path.exists() or path in _ATTEMPTED or not settings.spark_master.startswith("local"):
+        return
+    _ATTEMPTED.add(path)
+    set_up(settings, sys.stderr)
 
 
 def set_up(settings: Settings, out: TextIO | None = None) -> None:

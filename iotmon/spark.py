@@ -91,6 +91,7 @@ def spark_session(
     jars = resolve(settings, spark_extras_bundle())
     local = settings.spark_master.startswith("local")
     if local:
+        local_fs.ensure(settings)  # before the class path and its class archive are chosen
         # Keep the driver and its UI on loopback (the UI binds to SPARK_LOCAL_IP, else to every address).
         os.environ.setdefault("SPARK_LOCAL_IP", LOOPBACK_IP)
         # Python workers (pandas UDFs, transformWithStateInPandas) default to `python3` on PATH, which

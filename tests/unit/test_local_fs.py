@@ -68,3 +68,30 @@ def test_setup_compiles_the_classes_once(settings: Settings, capsys: pytest.Capt
     assert local_fs.build(settings) == (jar, 0.0)  # there already
     local_fs.set_up(settings)
     assert f"local file system: {jar}" in capsys.readouterr().out
+
+
+def test_a_session_in_a_cache_setup_did_not_prepare_builds_the_jar_first(
+    settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new IOTMON_HOME runs on the same file system as `make setup`'s: the jar is built on first use, once."""
+    assert local_fs.spark_options(settings) == {}
+    local_fs.ensure(settings)
+    jar = local_fs.jar_path(settings)
+    assert local_fs.spark_options(settings)["spark.driver.extraClassPath"] == str(jar)
+    assert f"local file system: {jar}" in capsys.readouterr().err
+    local_fs.ensure(settings)  # there already: nothing to build, nothing said
+    assert capsys.readouterr().err == ""
+
+
+def test_a_cluster_session_or_a_failed_build_is_not_tried_again(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    local_fs.ensure(dataclasses.replace(settings, spark_master="spark://cluster:7077"))
+    assert not local_fs.jar_path(settings).exists() and capsys.readouterr().err == ""
+    jre = tmp_path / "jre"
+    (jre / "bin").mkdir(parents=True)
+    monkeypatch.setenv("JAVA_HOME", str(jre))
+    local_fs.ensure(settings)
+    assert "this Java has no compiler (javac)" in capsys.readouterr().err
+    local_fs.ensure(settings)  # said once a process, not at every session
+    assert capsys.readouterr().err == ""
