@@ -17,7 +17,6 @@ and each table's freshness trend over the measured window.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pyspark.sql import SparkSession
 
 from bench.latency import measure, offline_latency, window_latency
 from bench.progress import ProgressCollector
-from bench.system import CpuMeter, jvm_pid, process_tree_cpu_seconds
+from bench.system import application_cpu, process_tree_cpu_seconds
 from bench.throughput import Log, drain_concurrently, topic_records
 from bench.viewer import fastest_growth, freshness_trend, read_samples
 from iotmon.config import Settings
@@ -105,7 +104,7 @@ def steady_state(
 
     # The stream's CPU while the fleet publishes at the rate: Spark's JVM, its Python workers and this process,
     # where the foreachBatch functions run (the simulator, the trainer and the viewer are processes of their own).
-    cpu = CpuMeter(jvm_pid(spark), os.getpid(), spark_counters(spark.sparkContext._jvm))
+    cpu = application_cpu(spark, spark_counters(spark.sparkContext._jvm))
 
     def publish() -> None:
         try:

@@ -220,10 +220,10 @@ def jvm_pid(spark: Any) -> int:
     return int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
 
 
-def application_cpu(spark: Any) -> CpuMeter:
+def application_cpu(spark: Any, counters: Mapping[str, Callable[[], float]] | None = None) -> CpuMeter:
     """A ``CpuMeter`` of this Spark application: its JVM with every process under it, and this Python process,
     where ``foreachBatch`` functions run. Not the broker's: the pipeline's own cost, as the ceiling's is Spark's."""
-    return CpuMeter(jvm_pid(spark), os.getpid())
+    return CpuMeter(jvm_pid(spark), os.getpid(), counters)
 
 
 class CpuMeter:
