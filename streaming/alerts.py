@@ -63,8 +63,7 @@ from iotmon.schema import (
     SEQ,
     TOO_LATE,
 )
-from streaming.scoring import ensure_anomalies_table
-from streaming.sources import ensure_clock_table, with_ticks
+from streaming.sources import ensure_anomalies_table, ensure_clock_table, with_ticks
 
 SCORES = "scores"
 """Name of the observed metric: the batch's scored ``readings``, how many were ``anomalous``, and ``ticks``."""

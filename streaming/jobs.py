@@ -40,8 +40,7 @@ from iotmon.schema import (
 )
 from streaming.alerts import ensure_alerts_table
 from streaming.device_status import ensure_device_status_tables
-from streaming.scoring import ensure_anomalies_table
-from streaming.sources import ensure_clock_table, watermarked_readings
+from streaming.sources import ensure_anomalies_table, ensure_clock_table, watermarked_readings
 from streaming.windows import (
     END_COLUMN,
     FINAL_TABLES,

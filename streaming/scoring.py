@@ -30,7 +30,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import BatchLedger, append_once, create_table, read_text, write_text
+from iotmon.lake import BatchLedger, append_once, read_text, write_text
 from iotmon.logs import say
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import ANOMALIES, ANOMALIES_SCHEMA, DEVICE_ID, EVENT_TIME, LATENESS, SEQ, SILVER
@@ -38,6 +38,7 @@ from ml import registry
 from ml.features import FeatureSpec
 from ml.model import ScoringRule, anomaly_scores, scored_batch
 from streaming.history import FEATURE_INPUTS, DeviceHistory, SilverRanges, SilverReader
+from streaming.sources import ensure_anomalies_table
 
 KEPT_COLUMNS: tuple[str, ...] = ("device_type", "site", "partition", "offset", LATENESS)
 """Silver columns carried into ``anomalies`` besides the reading key: where it is, where it came from and how
@@ -48,15 +49,6 @@ PINS_KEPT = 200
 
 class ModelUnavailable(RuntimeError):
     """No registered model can be served yet; the scorer waits for one."""
-
-
-def ensure_anomalies_table(spark: SparkSession, settings: Settings) -> None:
-    create_table(
-        spark,
-        settings.table_path(ANOMALIES),
-        ANOMALIES_SCHEMA,
-        "One row per scored silver reading: anomaly score, threshold and verdict of a registered model.",
-    )
 
 
 def anomalies_of(featured: DataFrame, pipeline: PipelineModel, ref: registry.ModelRef) -> DataFrame:

@@ -19,7 +19,18 @@ from pyspark.sql.types import StringType, StructField, StructType, TimestampType
 
 from iotmon.config import Settings
 from iotmon.lake import create_table
-from iotmon.schema import DEVICE_ID, EVENT_TIME, LATE, LATENESS, ON_TIME, SILVER, STREAM_CLOCK, TOO_LATE
+from iotmon.schema import (
+    ANOMALIES,
+    ANOMALIES_SCHEMA,
+    DEVICE_ID,
+    EVENT_TIME,
+    LATE,
+    LATENESS,
+    ON_TIME,
+    SILVER,
+    STREAM_CLOCK,
+    TOO_LATE,
+)
 
 FOLLOWS = "follows"
 """The clock's column naming the table a tick follows."""
@@ -33,6 +44,17 @@ ARRIVALS = "arrivals"
 
 def ensure_clock_table(spark: SparkSession, settings: Settings) -> None:
     create_table(spark, settings.table_path(STREAM_CLOCK), CLOCK_SCHEMA, "Event-time ticks while input is idle.")
+
+
+def ensure_anomalies_table(spark: SparkSession, settings: Settings) -> None:
+    """The scorer's table, which the alerts read: here, so that the alerts' Python workers, which import the
+    alerts' module, need not import the scorer's (pyspark.ml, scipy) to create it."""
+    create_table(
+        spark,
+        settings.table_path(ANOMALIES),
+        ANOMALIES_SCHEMA,
+        "One row per scored silver reading: anomaly score, threshold and verdict of a registered model.",
+    )
 
 
 def delta_stream(spark: SparkSession, settings: Settings, table: str) -> DataFrame:

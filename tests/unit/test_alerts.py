@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -21,6 +23,7 @@ from streaming.alerts import (
     latest_alerts,
 )
 from tests.readings import at, scored_frame, scored_row
+from tests.support import PROJECT_ROOT
 
 RULES = AlertRules(clear_after_ms=60_000)
 DEVICE = "dev-a"
@@ -205,3 +208,12 @@ def test_alert_updates_on_a_static_frame(spark: SparkSession, base_settings: Set
         key=repr,
     )  # fmt: skip
     updates.unpersist()
+
+
+def test_the_alerts_module_leaves_the_models_libraries_unimported() -> None:
+    """Each Python worker of the alerts' operator imports this module: the scorer's libraries would cost
+    every one of them a few tenths of a second, for nothing it runs."""
+    heavy = ("pyspark.ml", "mlflow", "scipy")
+    code = f"import sys, streaming.alerts; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PROJECT_ROOT)
+    assert done.stdout.strip() == "[]"
