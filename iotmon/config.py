@@ -466,6 +466,11 @@ class Settings:
         return (self.cache_dir or self.home / "cache").absolute()
 
     @property
+    def spark_is_local(self) -> bool:
+        """Spark runs in this process's JVM (``local[...]``), not on a cluster's executors."""
+        return self.spark_master.startswith("local")
+
+    @property
     def lake_root(self) -> str:
         return self.lake or str((self.home / "lake").absolute())
 

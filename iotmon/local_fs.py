@@ -58,7 +58,7 @@ def class_path(settings: Settings) -> list[str]:
     """What a Spark session of these settings puts first on its driver's class path: the compiled classes, when
     Spark runs locally and ``iotmon setup`` built them."""
     jar = jar_path(settings)
-    return [str(jar)] if settings.spark_master.startswith("local") and jar.exists() else []
+    return [str(jar)] if settings.spark_is_local and jar.exists() else []
 
 
 def spark_options(settings: Settings) -> dict[str, str]:
@@ -119,7 +119,7 @@ def ensure(settings: Settings) -> None:
     runs on the same file system and a bench in a new home measures what the stream runs. Said on stderr, as
     ``iotmon setup`` says it; without a compiler Hadoop's own is used (only slower)."""
     path = jar_path(settings)
-    if path.exists() or path in _ATTEMPTED or not settings.spark_master.startswith("local"):
+    if path.exists() or path in _ATTEMPTED or not settings.spark_is_local:
         return
     _ATTEMPTED.add(path)
     set_up(settings, sys.stderr)

@@ -89,7 +89,7 @@ def spark_session(
     stateful query fixes them into its checkpoint at first run.
     """
     jars = resolve(settings, spark_extras_bundle())
-    local = settings.spark_master.startswith("local")
+    local = settings.spark_is_local
     if local:
         local_fs.ensure(settings)  # before the class path and its class archive are chosen
         # Keep the driver and its UI on loopback (the UI binds to SPARK_LOCAL_IP, else to every address).
