@@ -12,7 +12,7 @@ import re
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,6 +43,9 @@ SCHEDULER_POOL = "spark.scheduler.pool"
 starts it, its ``foreachBatch`` writes included."""
 READY_POLL_SECONDS = 10.0
 """How often a waiting query asks again whether it can run."""
+RATE_BATCHES = 3
+"""How many batches in a row must ask for another trigger before a query moves to it (``run_continuously``'s
+``trigger_at``): a catch-up batch after a start, or a pause, does not move it alone."""
 DRAIN_CHECK_SECONDS = 2.0
 """How often, at least, a draining run asks whether every query has read all its source holds; it also asks
 whenever a query has finished a batch."""
@@ -131,6 +134,13 @@ def start_query(
         context.setLocalProperty(SCHEDULER_POOL, None)  # None removes it
 
 
+def describe(trigger: Trigger) -> str:
+    """A trigger in words: "every 5 seconds", "what is available now"."""
+    if "processingTime" in trigger:
+        return f"every {trigger['processingTime']}"
+    return "what is available now" if trigger.get("availableNow") else str(trigger)
+
+
 def wrote_batch(progress: Mapping[str, Any] | None) -> bool:
     """Whether a progress report is of a batch that reached its sink (not of a trigger that found no data)."""
     return progress is not None and "addBatch" in progress["durationMs"]
@@ -207,6 +217,7 @@ class QueryEvents(JsonEventListener):
         self._lock = threading.Lock()
         self._last: dict[str, Mapping[str, Any]] = {}
         self._with_rows: dict[str, Mapping[str, Any]] = {}
+        self._rates: dict[str, deque[float]] = {}
         self._wrote: set[str] = set()
         self._ended: set[str] = set()
 
@@ -230,6 +241,9 @@ class QueryEvents(JsonEventListener):
             self._last[run] = progress
             if progress["numInputRows"]:
                 self._with_rows[run] = progress
+                # A run's first batch has no trigger before it to measure a rate from (Spark reports 0).
+                if (rate := progress.get("inputRowsPerSecond") or 0) > 0:
+                    self._rates.setdefault(run, deque(maxlen=RATE_BATCHES)).append(rate)
             if wrote_batch(progress):
                 self._wrote.add(run)
 
@@ -248,6 +262,12 @@ class QueryEvents(JsonEventListener):
         without data to move its watermark on, which then is the last report)."""
         with self._lock:
             return self._with_rows.get(run)
+
+    def rates(self, run: str) -> list[float]:
+        """The input rates (rows a second since the trigger before) of the run's last ``RATE_BATCHES`` batches
+        that read rows, oldest first."""
+        with self._lock:
+            return list(self._rates.get(run, ()))
 
     def wrote(self, run: str) -> bool:
         """Whether a batch of the run reached its sink."""
@@ -456,13 +476,19 @@ def run_continuously(
     lead: Collection[str] = (),
     hold: Callable[[], str | None] | None = None,
     upstream: Callable[[str], Collection[str]] | None = None,
+    trigger_at: Callable[[QuerySpec, float], Trigger] | None = None,
 ) -> None:
     """Run the queries until ``stop`` is set, restarting a failed query with exponential backoff; a query that
     fails more than ``IOTMON_QUERY_RESTARTS`` times in a row (without a batch written in between) ends the
     run. A stream runs for days: failures that each follow a working batch (a write conflict, a broker
     restart) are not a broken query.
 
-    Each query runs with ``trigger_of(spec)``; by default every ``IOTMON_TRIGGER_INTERVAL``. With ``unread``
+    Each query runs with ``trigger_of(spec)``; by default every ``IOTMON_TRIGGER_INTERVAL``. With
+    ``trigger_at`` (the trigger for a query whose input arrives at so many rows a second), a query whose last
+    ``RATE_BATCHES`` batches each ask it for another trigger moves to it: stopped between two batches and
+    started again on it, from its checkpoint. A batch costs about the same whatever its rows, so a busy input
+    can afford batches more often than a calm one (docs/cost-model.md, "Triggers that follow the rate"). With
+    ``unread``
     (the running queries that have input they have not read), a stop drains first: the queries, warm, keep
     running until ``unread()`` is empty, which spares a drain the start of every query and its state. A drain
     has no budget left to keep: the queries with a slower trigger are restarted on the default one, so the
@@ -500,13 +526,29 @@ def run_continuously(
 
     runs: dict[str, str] = {}
     """Each running query's run id: what the loop looks up in ``events``, the listener bus's record (below)."""
+    running_on: dict[str, Trigger] = {}
+    """Each running query's trigger."""
 
     def launch(spec: QuerySpec, on: Trigger) -> None:
         """Start ``spec`` and say so now: the periodic report comes up to ``report_every`` later, and a start
         announced then reads as a start that took that long."""
         queries[spec.name] = start_query(spec, spark, settings, on, out)
         runs[spec.name] = str(queries[spec.name].runId)
+        running_on[spec.name] = on
         report.show({spec.name: runs[spec.name]}, reads, out)
+
+    def rate_trigger(spec: QuerySpec) -> Trigger | None:
+        """The trigger each of the query's last ``RATE_BATCHES`` batches asks for by its input's rate, when that
+        is not the one it runs on (None while draining: a drain has a trigger of its own)."""
+        if trigger_at is None or draining.is_set():
+            return None
+        rates = events.rates(runs[spec.name])
+        if len(rates) < RATE_BATCHES:
+            return None
+        asked = [trigger_at(spec, rate / reads[spec.name]) for rate in rates]
+        if any(ask != asked[0] for ask in asked) or asked[0] == running_on[spec.name]:
+            return None
+        return asked[0]
 
     def start_when_ready(spec: QuerySpec, ended: str | None = None) -> None:
         reason = spec.waiting_for(spark, settings)
@@ -568,7 +610,7 @@ def run_continuously(
             return True
         draining.set()
         say("draining: the queries run on until each has read all its source holds", out)
-        slower.update(name for name in queries if budget(specs_by_name[name]) != every)
+        slower.update(name for name in queries if running_on[name] != every)
         if slower:
             say(f"draining: {', '.join(sorted(slower))} move to the default trigger ({settings.trigger_interval})", out)
         if following:
@@ -639,6 +681,11 @@ def run_continuously(
                             slower.discard(spec.name)
                             query.stop()
                             parked.add(spec.name)
+                        elif (moved := rate_trigger(spec)) is not None and not query.status["isTriggerActive"]:
+                            rates = ", ".join(f"{rate / reads[spec.name]:,.0f}" for rate in events.rates(run))
+                            query.stop()
+                            say(f"{spec.name}: its last batches read {rates} rows/s: {describe(moved)} from now", out)
+                            launch(spec, moved)
                         continue
                     error = query.exception()
                     reason = settings.redact(explain(error)) if error is not None else "stopped"

@@ -106,7 +106,7 @@ def run_topology(
     Kafka) and ``hold`` are its). What ``iotmon stream`` runs, and the bench measures."""
     from iotmon.queries import run_continuously
     from pipeline.clock import EventClock
-    from pipeline.topology import lead_queries, queries, trigger_of, upstream_of
+    from pipeline.topology import lead_queries, queries, trigger_at, trigger_of, upstream_of
 
     EventClock(spark, settings, stop, out).start()
     run_continuously(
@@ -117,6 +117,7 @@ def run_topology(
         out,
         report_every,
         trigger_of=trigger_of(settings),
+        trigger_at=trigger_at(settings),
         unread=unread,
         lead=tuple(lead) if lead is not None else lead_queries(),
         hold=hold,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -487,6 +489,41 @@ def test_a_drain_moves_a_query_on_a_slow_trigger_to_the_default_one(
         stop.set()  # the run must now end by itself, within the minute it is given
     assert "draining: slow move to the default trigger (1 seconds)" in out.getvalue()
     assert seen[:2] == [0, 1], "the next batch ran on the default trigger; the first was not run again"
+
+
+def test_a_query_moves_to_the_trigger_its_inputs_rate_asks_for_between_two_batches(
+    spark: SparkSession, base_settings: Settings, tmp_path: Path
+) -> None:
+    # The rate source gives 10 rows a second. Below 5 rows/s the query would run every second, from 5 rows/s
+    # every 2 seconds: once three batches in a row ask for that, the supervisor moves it there, once, and the
+    # query goes on from its checkpoint.
+    seen, out = [], io.StringIO()
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        batch.count()  # read it: a batch nobody reads has no input rows in its progress, so no rate
+        seen.append(batch_id)
+
+    steady = _rate_spec(tmp_path, "steady", write)
+    every_second, every_two = {"processingTime": "1 second"}, {"processingTime": "2 seconds"}
+
+    def at(_: QuerySpec, rows_per_second: float) -> Trigger:
+        return every_two if rows_per_second >= 5 else every_second
+
+    moved = "steady: its last batches read "
+    with _supervising(spark, base_settings, [steady], out, trigger_of=lambda _: every_second, trigger_at=at):
+        wait_for(lambda: moved in out.getvalue(), 120, "the move to the busy trigger")
+        moved_after = len(seen)
+        wait_for(lambda: len(seen) >= moved_after + 4, 120, "four batches on the new trigger")
+        (query,) = spark.streams.active
+        progress = query.recentProgress
+    line = next(line for line in out.getvalue().splitlines() if line.startswith(moved))
+    assert line.endswith("rows/s: every 2 seconds from now"), line
+    assert out.getvalue().count(moved) == 1, "the new trigger is what the rate asks for: no move back"
+    assert moved_after >= queries.RATE_BATCHES, seen  # three batches with a rate, then between two batches
+    # The new run went on from the checkpoint, a trigger every 2 s (Spark's own timestamps).
+    assert sorted(set(seen)) == list(range(max(seen) + 1)), "no batch lost"
+    starts = [datetime.fromisoformat(p["timestamp"].replace("Z", "+00:00")) for p in progress[-3:]]
+    assert all((b - a).total_seconds() >= 1.9 for a, b in itertools.pairwise(starts)), starts
 
 
 def test_a_drain_restarts_each_parked_query_on_the_default_trigger_once_its_upstream_has_read_all(

@@ -92,6 +92,18 @@ def test_query_events_keep_each_run_apart() -> None:
     assert not events.ended("run-2") and not events.wrote("run-2"), "a restart is a run of its own"
 
 
+def test_query_events_keep_the_input_rates_of_each_runs_last_batches_that_read_rows() -> None:
+    events = QueryEvents()
+    first = _progress(0, 900)  # a run's first batch: no trigger before it, so Spark reports no rate
+    events.progressed(first)
+    assert events.rates("run-1") == []
+    for batch, rate in enumerate((100.0, 0.0, 200.0, 300.0, 400.0), start=1):
+        rows = 0 if rate == 0 else 50  # a batch without rows (a watermark moving on) says nothing of the input
+        events.progressed({**_progress(batch, rows), "inputRowsPerSecond": rate})
+    assert events.rates("run-1") == [200.0, 300.0, 400.0]  # RATE_BATCHES of them, oldest first
+    assert events.rates("run-2") == [], "a restart is a run of its own"
+
+
 def test_a_python_error_inside_a_batch_is_summarised_by_its_cause() -> None:
     wrapped = (
         "An exception was raised by the Python Proxy. Return Message: Traceback (most recent call last):\n"

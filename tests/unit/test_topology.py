@@ -18,6 +18,7 @@ from iotmon.schema import (
     DEVICE_WINDOWS,
     INGEST,
     LATE_ARRIVALS,
+    LIVE_WINDOWS,
     QUARANTINE,
     SILVER,
 )
@@ -32,6 +33,7 @@ from pipeline.topology import (
     outdated_checkpoints,
     queries,
     retired_checkpoints,
+    trigger_at,
     trigger_of,
     triggers_line,
     upstream_of,
@@ -116,6 +118,25 @@ def test_each_query_runs_as_often_as_its_tables_are_due() -> None:
     line = triggers_line(settings)
     assert line.startswith("ingest every 1 second; ") and "anomalies" in line and "device_windows" in line
     assert triggers_line(Settings()).startswith("ingest every 5 seconds or 10,000 records; ")
+
+
+def test_the_queries_due_within_seconds_run_sooner_while_their_input_is_busy() -> None:
+    settings = Settings()
+    at = trigger_at(settings)
+    calm, busy = {"processingTime": "10 seconds"}, {"processingTime": "5 seconds"}
+    for name in (ANOMALIES, ALERTS, DEVICE_STATUS, LIVE_WINDOWS):
+        assert at(node(name).query, 500.0) == calm  # the demo's rate
+        assert at(node(name).query, 1_999.0) == calm
+        assert at(node(name).query, 2_000.0) == busy
+        assert at(node(name).query, 5_000.0) == busy  # the bench's steady state
+    for name in (INGEST, LATE_ARRIVALS, DEVICE_WINDOWS):  # their budgets are not about seconds after silver
+        assert at(node(name).query, 5_000.0) == trigger_of(settings)(node(name).query)
+    assert "every 10 seconds (every 5 seconds from 2,000 rows/s)" in triggers_line(settings)
+
+    # A "busy" trigger no sooner than the calm one never moves a query.
+    slower = Settings.from_env({"IOTMON_BUSY_TRIGGER_INTERVAL": "10 seconds"})
+    assert trigger_at(slower)(node(ANOMALIES).query, 5_000.0) == calm
+    assert "from" not in triggers_line(slower).split("; ")[2]
 
 
 def test_the_ingest_query_starts_a_batch_once_enough_records_wait_or_its_interval_is_up() -> None:
