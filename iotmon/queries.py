@@ -134,13 +134,6 @@ def start_query(
         context.setLocalProperty(SCHEDULER_POOL, None)  # None removes it
 
 
-def describe(trigger: Trigger) -> str:
-    """A trigger in words: "every 5 seconds", "what is available now"."""
-    if "processingTime" in trigger:
-        return f"every {trigger['processingTime']}"
-    return "what is available now" if trigger.get("availableNow") else str(trigger)
-
-
 def wrote_batch(progress: Mapping[str, Any] | None) -> bool:
     """Whether a progress report is of a batch that reached its sink (not of a trigger that found no data)."""
     return progress is not None and "addBatch" in progress["durationMs"]
@@ -483,19 +476,18 @@ def run_continuously(
     run. A stream runs for days: failures that each follow a working batch (a write conflict, a broker
     restart) are not a broken query.
 
-    Each query runs with ``trigger_of(spec)``; by default every ``IOTMON_TRIGGER_INTERVAL``. With
-    ``trigger_at`` (the trigger for a query whose input arrives at so many rows a second), a query whose last
-    ``RATE_BATCHES`` batches each ask it for another trigger moves to it: stopped between two batches and
-    started again on it, from its checkpoint. A batch costs about the same whatever its rows, so a busy input
-    can afford batches more often than a calm one (docs/cost-model.md, "Triggers that follow the rate"). With
-    ``unread``
-    (the running queries that have input they have not read), a stop drains first: the queries, warm, keep
-    running until ``unread()`` is empty, which spares a drain the start of every query and its state. A drain
-    has no budget left to keep: the queries with a slower trigger are restarted on the default one, so the
-    drain does not wait for their next trigger. Each is stopped between two batches and started again once
-    every query ``upstream(name)`` names (by default the lead queries) has read all its source holds: the
-    lead queries, which everything else reads, finish alone, and each query then reads what is left in one
-    batch, once, instead of a batch for what its upstream has written so far and another for the rest.
+    Each query runs with ``trigger_of(spec)``; by default every ``IOTMON_TRIGGER_INTERVAL``. With ``trigger_at``
+    (the processing-time trigger for a query whose input arrives at so many rows a second), a query whose last
+    ``RATE_BATCHES`` batches each ask it for another trigger moves to it: stopped between two batches and started
+    again on it, from its checkpoint. A calm input's budget is the CPU, a busy one's its latency
+    (docs/cost-model.md, "Triggers that follow the rate"). With ``unread`` (the running queries that have input they
+    have not read), a stop drains first: the queries, warm, keep running until ``unread()`` is empty, which spares a
+    drain the start of every query and its state. A drain has no budget left to keep: the queries with a slower
+    trigger are restarted on the default one, so the drain does not wait for their next trigger. Each is stopped
+    between two batches and started again once every query ``upstream(name)`` names (by default the lead queries)
+    has read all its source holds: the lead queries, which everything else reads, finish alone, and each query then
+    reads what is left in one batch, once, instead of a batch for what its upstream has written so far and another
+    for the rest.
 
     The queries named in ``lead`` start first, the others once each of those has finished its first trigger
     (or a stop begins the drain): in a cold JVM, queries starting together share two cores while the JIT
@@ -684,7 +676,8 @@ def run_continuously(
                         elif (moved := rate_trigger(spec)) is not None and not query.status["isTriggerActive"]:
                             rates = ", ".join(f"{rate / reads[spec.name]:,.0f}" for rate in events.rates(run))
                             query.stop()
-                            say(f"{spec.name}: its last batches read {rates} rows/s: {describe(moved)} from now", out)
+                            every_ = moved["processingTime"]
+                            say(f"{spec.name}: its last batches read {rates} rows/s: every {every_} from now", out)
                             launch(spec, moved)
                         continue
                     error = query.exception()
