@@ -676,8 +676,8 @@ def run_continuously(
                         elif (moved := rate_trigger(spec)) is not None and not query.status["isTriggerActive"]:
                             rates = ", ".join(f"{rate / reads[spec.name]:,.0f}" for rate in events.rates(run))
                             query.stop()
-                            every_ = moved["processingTime"]
-                            say(f"{spec.name}: its last batches read {rates} rows/s: every {every_} from now", out)
+                            interval = moved["processingTime"]
+                            say(f"{spec.name}: its last batches read {rates} rows/s: every {interval} from now", out)
                             launch(spec, moved)
                         continue
                     error = query.exception()
