@@ -235,6 +235,15 @@ def trigger_of(settings: Settings) -> Callable[[QuerySpec], Trigger]:
     return trigger
 
 
+def busy_trigger(settings: Settings) -> Trigger | None:
+    """The trigger of the queries due within seconds while their input is busy; None when it is no sooner than
+    their calm one (then nothing moves)."""
+    busy = settings.busy_trigger_interval
+    if interval_seconds(busy) < interval_seconds(Budget.SECONDS.interval(settings)):
+        return {"processingTime": busy}
+    return None
+
+
 def trigger_at(settings: Settings) -> Callable[[QuerySpec, float], Trigger]:
     """Each query's trigger for an input arriving at ``rows_per_second``: the queries due within seconds run
     every ``IOTMON_BUSY_TRIGGER_INTERVAL`` from ``IOTMON_BUSY_ROWS_PER_SECOND`` on, when that is sooner than
@@ -243,12 +252,10 @@ def trigger_at(settings: Settings) -> Callable[[QuerySpec, float], Trigger]:
     Twice the batches cost about 0.3 cores at either rate (docs/cost-model.md, "Triggers that follow the rate"):
     a calm input keeps the long trigger, which keeps the CPU within its budget at the demo's rate, and a busy
     one gets the short trigger, which halves what a reading waits for the next batch."""
-    calm = trigger_of(settings)
-    busy: Trigger = {"processingTime": settings.busy_trigger_interval}
-    sooner = interval_seconds(settings.busy_trigger_interval) < interval_seconds(settings.gold_trigger_interval)
+    calm, busy = trigger_of(settings), busy_trigger(settings)
 
     def trigger(spec: QuerySpec, rows_per_second: float) -> Trigger:
-        if sooner and node(spec.name).budget is Budget.SECONDS and rows_per_second >= settings.busy_rows_per_second:
+        if busy and node(spec.name).budget is Budget.SECONDS and rows_per_second >= settings.busy_rows_per_second:
             return busy
         return calm(spec)
 
@@ -264,9 +271,8 @@ def triggers_line(settings: Settings) -> str:
         interval = budget.interval(settings)
         if budget is Budget.ARRIVAL and early_batches({"processingTime": interval}, settings):
             return f"every {interval} or {settings.ingest_batch_records:,} records"
-        busy = settings.busy_trigger_interval
-        if budget is Budget.SECONDS and interval_seconds(busy) < interval_seconds(interval):
-            return f"every {interval} (every {busy} from {settings.busy_rows_per_second:,} rows/s)"
+        if budget is Budget.SECONDS and (busy := busy_trigger(settings)):
+            return f"every {interval} (every {busy['processingTime']} from {settings.busy_rows_per_second:,} rows/s)"
         return f"every {interval}"
 
     return "; ".join(f"{', '.join(names)} {every(b)}" for b, names in by_budget.items() if names)
