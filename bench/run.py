@@ -96,6 +96,9 @@ class BenchOptions:
             raise ValueError("sizes must be positive")
         if min(self.steady_rate, self.steady_seconds, self.demo_rate_seconds) <= 0 or self.steady_warmup < 0:
             raise ValueError("the steady rate and the measured seconds must be positive, the warm-up not negative")
+        if self.out is not None and self.out.is_dir() and any(self.out.iterdir()):
+            # Its checkpoints would resume against the new run's broker and topics, and fail half-way.
+            raise ValueError(f"{self.out} is not empty: give --out a new or empty directory")
 
     def runs(self, part: str) -> bool:
         return part not in self.skip

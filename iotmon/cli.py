@@ -750,7 +750,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-trainer", action="store_true", help="no trainer beside the stream")
     parser.add_argument("--no-viewer", action="store_true", help="no dashboard page open beside the stream")
     parser.add_argument("--seed", type=int, default=Defaults.seed, help=f"simulator seed (default {Defaults.seed})")
-    parser.add_argument("--out", type=Path, help="output directory (default $IOTMON_HOME/bench/<timestamp>)")
+    parser.add_argument(
+        "--out", type=Path, help="output directory, new or empty (default $IOTMON_HOME/bench/<timestamp>)"
+    )
     parser.add_argument(
         "--skip",
         action="append",

@@ -447,8 +447,13 @@ def test_render_and_plot_with_skipped_parts(tmp_path: Path) -> None:
     assert (tmp_path / "full.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_options_are_validated() -> None:
+def test_options_are_validated(tmp_path: Path) -> None:
     BenchOptions().validate()
+    BenchOptions(out=tmp_path / "new").validate()
+    BenchOptions(out=tmp_path).validate()  # empty
+    (tmp_path / "report.json").write_text("{}")  # an earlier run's
+    with pytest.raises(ValueError, match="not empty"):
+        BenchOptions(out=tmp_path).validate()
     with pytest.raises(ValueError, match="unknown part"):
         BenchOptions(skip=frozenset({"everything"})).validate()
     with pytest.raises(ValueError, match="positive"):
