@@ -249,9 +249,10 @@ def trigger_at(settings: Settings) -> Callable[[QuerySpec, float], Trigger]:
     every ``IOTMON_BUSY_TRIGGER_INTERVAL`` from ``IOTMON_BUSY_ROWS_PER_SECOND`` on, when that is sooner than
     their budget's; the others always on their budget's (``trigger_of``).
 
-    Twice the batches cost about 0.3 cores at either rate (docs/cost-model.md, "Triggers that follow the rate"):
-    a calm input keeps the long trigger, which keeps the CPU within its budget at the demo's rate, and a busy
-    one gets the short trigger, which halves what a reading waits for the next batch."""
+    Every batch has its fixed cost whatever its rows (docs/cost-model.md, "Triggers that follow the rate", "A
+    calm trigger for the demo's rate"): a calm input keeps the long trigger, which keeps the CPU within its
+    budget at the demo's rate, and a busy one gets the short trigger, which cuts what a reading waits for the
+    next batch."""
     calm, busy = trigger_of(settings), busy_trigger(settings)
 
     def trigger(spec: QuerySpec, rows_per_second: float) -> Trigger:
