@@ -23,7 +23,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from iotmon.config import Settings
-from iotmon.logs import say
+from iotmon.logs import on_console, say
 from iotmon.schema import DEVICE_ID, EVENT_TIME, SILVER
 from ml import registry
 from ml.evaluation import detection_metrics, label_scores, truth_labels
@@ -236,6 +236,10 @@ def train(
     cancels of a stopped run's Spark jobs (``PeriodicTrainer.start``) miss what runs between them."""
     import mlflow
     import mlflow.spark
+    from mlflow.utils.logging_utils import disable_logging
+
+    if not on_console(settings):
+        disable_logging()  # MLflow prints "Created version ..." past logging; the run's report says it
 
     step = _Steps(out, stop)
     step("read", "reading silver")

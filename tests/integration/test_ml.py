@@ -85,7 +85,7 @@ def archive(shared_archive: tuple[Settings, Path], tmp_path: Path) -> tuple[Sett
 
 
 def test_trainer_registers_promotes_and_keeps_the_champion_against_worse_or_broken_ones(
-    archive, spark, monkeypatch
+    archive, spark, monkeypatch, capsys
 ) -> None:
     settings, truth = archive
     assert registry.champion(settings) is None
@@ -93,6 +93,8 @@ def test_trainer_registers_promotes_and_keeps_the_champion_against_worse_or_brok
 
     first = train(spark, settings, TrainOptions(truth=(truth,)))
     assert (first.version, first.promoted) == (1, True)
+    console = capsys.readouterr()
+    assert "Successfully registered" not in console.err and "Created version" not in console.err, "MLflow's prints"
     # The periodic trainer's Spark-free look at silver sees what the run read.
     extent = archive_extent(settings)
     assert (extent.readings, extent.start, extent.end) == (first.readings, first.data_start, first.data_end)
