@@ -34,7 +34,7 @@ DECISION_TAG = "decision"
 
 _setup_lock = threading.Lock()
 
-MLFLOW_MODULES = ("mlflow", "mlflow.exceptions", "mlflow.spark")
+MLFLOW_MODULES = ("mlflow", "mlflow.exceptions", "mlflow.spark", "mlflow.utils.logging_utils")
 """Every MLflow module the project imports (``tests/unit/test_registry.py`` keeps the list complete)."""
 
 
