@@ -282,7 +282,7 @@ class Settings:
         _parse_interval,
         "Processing-time trigger of the gold queries due within seconds (scores, alerts, device status, live "
         "windows) while their input is calm: each batch takes three ingest batches' readings for one batch's fixed "
-        "costs, which keeps the stream within half a core at the demo's rate.",
+        "costs, which keeps the stream at about half a core at the demo's rate.",
     )
     busy_trigger_interval: str = _setting(
         "BUSY_TRIGGER_INTERVAL",
