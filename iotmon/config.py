@@ -289,8 +289,8 @@ class Settings:
         "5 seconds",
         _parse_interval,
         "Processing-time trigger of those gold queries while their input is busy (IOTMON_BUSY_ROWS_PER_SECOND): "
-        "three times the batches, each with its fixed cost, which a calm stream's CPU budget cannot spare, and a "
-        "third of the wait.",
+        "more batches, each with its fixed cost, which a calm stream's CPU budget cannot spare, and a shorter wait "
+        "for the next one.",
     )
     busy_rows_per_second: int = _setting(
         "BUSY_ROWS_PER_SECOND",
