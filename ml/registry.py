@@ -20,6 +20,7 @@ from pathlib import Path
 from pyspark.ml import PipelineModel
 
 from iotmon.config import Settings
+from iotmon.logs import on_console
 from ml.features import FEATURE_VERSION
 
 CHAMPION = "champion"
@@ -34,7 +35,12 @@ DECISION_TAG = "decision"
 
 _setup_lock = threading.Lock()
 
-MLFLOW_MODULES = ("mlflow", "mlflow.exceptions", "mlflow.spark", "mlflow.utils.logging_utils")
+MLFLOW_MODULES = (
+    "mlflow",
+    "mlflow.exceptions",
+    "mlflow.spark",
+    "mlflow.utils.autologging_utils.logging_and_warnings",
+)
 """Every MLflow module the project imports (``tests/unit/test_registry.py`` keeps the list complete)."""
 
 
@@ -63,6 +69,22 @@ class ModelRef:
     @property
     def uri(self) -> str:
         return f"models:/{self.name}/{self.version}"
+
+
+def quiet(settings: Settings) -> contextlib.AbstractContextManager[object]:
+    """MLflow's own prints off the console while in it, unless ``IOTMON_LOG_LEVEL`` asks for library lines.
+
+    MLflow's registry prints ``Successfully registered model ...`` and ``Created version ...`` through its own
+    stream, past ``logging``. Its ``disable_logging()`` alone does not hold: MLflow switches that stream back on
+    whenever one of its counted "quiet" blocks ends, as importing ``mlflow.types.responses`` does during a first
+    ``log_model``. Holding a count of its own keeps the stream off until the block ends."""
+    from mlflow.utils.autologging_utils.logging_and_warnings import MlflowEventsAndWarningsBehaviorGlobally
+
+    if on_console(settings):
+        return contextlib.nullcontext()
+    return MlflowEventsAndWarningsBehaviorGlobally(
+        reroute_warnings=False, disable_event_logs=True, disable_warnings=False
+    )
 
 
 def tracking(settings: Settings):

@@ -23,7 +23,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from iotmon.config import Settings
-from iotmon.logs import on_console, say
+from iotmon.logs import say
 from iotmon.schema import DEVICE_ID, EVENT_TIME, SILVER
 from ml import registry
 from ml.evaluation import detection_metrics, label_scores, truth_labels
@@ -236,10 +236,6 @@ def train(
     cancels of a stopped run's Spark jobs (``PeriodicTrainer.start``) miss what runs between them."""
     import mlflow
     import mlflow.spark
-    from mlflow.utils.logging_utils import disable_logging
-
-    if not on_console(settings):
-        disable_logging()  # MLflow prints "Created version ..." past logging; the run's report says it
 
     step = _Steps(out, stop)
     step("read", "reading silver")
@@ -282,7 +278,8 @@ def train(
     promoted, decision = _decide(metrics, champion, champion_metrics, options.promote)
     step("log", LOG_STEP)
     client = registry.tracking(settings)
-    with mlflow.start_run(experiment_id=registry.experiment_id(settings)) as run:
+    # MLflow's "Created version ..." prints stay off the console: the run's report says it.
+    with registry.quiet(settings), mlflow.start_run(experiment_id=registry.experiment_id(settings)) as run:
         mlflow.log_params(
             {
                 **{f"model_{k}": v for k, v in asdict(options.params).items()},

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from iotmon.config import Settings
 from ml import registry
 from tests.support import PROJECT_ROOT, wait_for
 
+QUIET_PRINTS = """
+import sys
+from iotmon.config import Settings
+from ml import registry
+from mlflow.utils.logging_utils import eprint
+assert "mlflow.types.responses" not in sys.modules, "imported already: its import would not switch prints back on"
+with registry.quiet(Settings.from_env()):
+    import mlflow.types.responses  # ends one of MLflow's own quiet blocks, as a first log_model does
+    eprint("Created version inside")
+eprint("Created version after")
+"""
 OPEN_REGISTRY = "from iotmon.config import Settings; from ml import registry; registry.tracking(Settings.from_env())"
 CONCURRENT_IMPORTS = """
 import sys, threading
@@ -80,6 +94,18 @@ def test_threads_importing_mlflow_at_once_succeed_after_the_early_import() -> No
         [sys.executable, "-c", CONCURRENT_IMPORTS], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("log_level", ["", "INFO"])
+def test_mlflow_prints_stay_quiet_in_the_block_unless_library_lines_are_asked_for(log_level: str) -> None:
+    """In a process of its own, where MLflow's lazy import inside the block is a first one, as in ``iotmon train``."""
+    env = {**os.environ, "IOTMON_LOG_LEVEL": log_level}
+    run = subprocess.run(
+        [sys.executable, "-c", QUIET_PRINTS], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    printed = [line for line in run.stderr.splitlines() if line.startswith("Created version")]
+    assert printed == (["Created version inside", "Created version after"] if log_level else ["Created version after"])
 
 
 def test_the_early_import_covers_every_mlflow_module_the_code_imports() -> None:
