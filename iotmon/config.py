@@ -258,10 +258,10 @@ class Settings:
         "spark.sql.shuffle.partitions, and so the state store partitions of each stateful operator (fixed into a "
         "query's checkpoint at its first run): every partition is a task, and a state store commit, per batch.",
     )
-    # The three triggers set the stream's CPU: every batch costs about 1.4 s of CPU whatever its rows, so the
-    # stream needs about that times its batches a second (docs/cost-model.md, "The floor"). These defaults
-    # ask for about 0.65 batches a second, about 1 core at 500 events/s, and leave the rest of 2 cores to the
-    # broker, the simulator, the dashboard and the trainer; shorter ones saturate the machine at any rate.
+    # The triggers set the stream's CPU: every batch has a fixed cost whatever its rows (about 0.35 s of CPU for a
+    # gold query's at the demo's rate; docs/cost-model.md, "The floor" and "A calm trigger for the demo's rate").
+    # These defaults ask for about 0.6 batches a second, about half a core at 500 events/s, and leave the rest of
+    # 2 cores to the broker, the simulator, the dashboard and the trainer; shorter ones add CPU at any rate.
     trigger_interval: str = _setting(
         "TRIGGER_INTERVAL",
         "5 seconds",
