@@ -5,8 +5,10 @@ Rules, all in event time so that a replayed micro-batch writes exactly what it w
 * A device is ``online`` when its latest reading is healthy and ``degraded`` when that reading has a metric
   out of range (``out_of_range`` not null) or ``battery < IOTMON_LOW_BATTERY``.
 * It is ``offline`` once it has been silent for ``IOTMON_OFFLINE_AFTER``: when the watermark reaches
-  ``last_seen + offline_after`` (an event-time timer fires), the device changes to offline with
-  ``changed_at = last_seen + offline_after``, never a wall-clock time.
+  ``last_seen + offline_after``, the device changes to offline with ``changed_at = last_seen + offline_after``,
+  never a wall-clock time. The change is written by the batch whose readings take the watermark there (Spark
+  moves the watermark only at the next batch, a trigger later), or, while no reading comes, by the batch whose
+  watermark the clock's ticks moved (an event-time timer fires).
   A reading that arrives at or after that instant in the same micro-batch as the silence (Spark hands a
   batch's rows to the operator before it fires the batch's timers, and a backlog comes in one batch) is
   preceded by the same offline change, so readings in order give the same changes however they are batched.
@@ -180,10 +182,16 @@ ARRIVAL_ORDER: tuple[str, ...] = ("partition", "offset")
 class StatusRules:
     offline_after_ms: int
     low_battery: float
+    lateness_ms: int
+    """``IOTMON_STATUS_LATENESS``, the query's watermark delay."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> StatusRules:
-        return cls(round(interval_seconds(settings.offline_after) * 1000), settings.low_battery)
+        return cls(
+            round(interval_seconds(settings.offline_after) * 1000),
+            settings.low_battery,
+            round(interval_seconds(settings.status_lateness) * 1000),
+        )
 
 
 @dataclass(frozen=True)
@@ -460,6 +468,35 @@ def deadline_of(state: DeviceState, rules: StatusRules) -> int | None:
     return None if state.status == OFFLINE else state.last_seen_ms + rules.offline_after_ms
 
 
+def silenced(states: dict[str, DeviceState], watermark_ms: int, rules: StatusRules) -> list[tuple[str, list[Update]]]:
+    """Every device whose deadline ``watermark_ms`` has reached goes offline at its deadline (``states`` updated
+    in place); their updates, in device order."""
+    changed = []
+    for device_id, state in states.items():
+        deadline = deadline_of(state, rules)
+        if deadline is not None and deadline <= watermark_ms:
+            update = go_offline(state, deadline)
+            states[device_id] = update.state
+            changed.append((device_id, [update]))
+    return changed
+
+
+def next_watermark(frame: pd.DataFrame, rules: StatusRules) -> int:
+    """A floor of the watermark the batch after this one starts with: Spark's is the newest event time of the
+    batches so far, less the lateness, and these readings are among them."""
+    return int(frame["event_ms"].max()) - rules.lateness_ms
+
+
+def _joined(
+    first: list[tuple[str, list[Update]]], then: list[tuple[str, list[Update]]]
+) -> list[tuple[str, list[Update]]]:
+    """Each device's updates of ``first`` followed by its updates of ``then``."""
+    updates = dict(first)
+    for device_id, more in then:
+        updates[device_id] = [*updates.get(device_id, []), *more]
+    return list(updates.items())
+
+
 class DeviceStatusProcessor(StatefulProcessor):
     """Keeps, per shard of the fleet (``SHARDS``), each device's ``DeviceState`` and one event-time timer.
 
@@ -467,7 +504,8 @@ class DeviceStatusProcessor(StatefulProcessor):
     on when readings move deadlines later (that would be two state calls per device and batch): when it
     fires, every device whose deadline the watermark has reached goes offline at its deadline, and it is
     armed again at the earliest deadline left. A device therefore goes offline in the batch whose
-    watermark reaches its deadline, as a timer of its own would have it.
+    watermark reaches its deadline, as a timer of its own would have it, or, where the shard's readings
+    already show that the next batch's watermark will reach it, in their batch (``next_watermark``).
 
     Spark calls ``handleExpiredTimer`` with keyword arguments, so its parameter names are part of the API.
     """
@@ -489,6 +527,9 @@ class DeviceStatusProcessor(StatefulProcessor):
         changed = apply_readings(states, batch, self._rules)
         if not changed:
             return
+        # What the next batch's watermark is sure to reach goes offline now, not a trigger later: the same
+        # changes at the same instants, written one batch sooner (docs/cost-model.md, "Offline a trigger sooner").
+        changed = _joined(changed, silenced(states, next_watermark(batch, self._rules), self._rules))
         self._store(states)
         earliest = self._earliest(states)
         armed = self._armed()
@@ -504,13 +545,8 @@ class DeviceStatusProcessor(StatefulProcessor):
         if self._armed() != expiredTimerInfo.getExpiryTimeInMs():
             return  # a timer this state no longer armed; Spark deletes it after this call
         # Timers fire up to the watermark, so every deadline up to it has passed.
-        watermark, states, changed = timerValues.getCurrentWatermarkInMs(), self._states(), []
-        for device_id, state in states.items():
-            deadline = deadline_of(state, self._rules)
-            if deadline is not None and deadline <= watermark:
-                update = go_offline(state, deadline)
-                states[device_id] = update.state
-                changed.append((device_id, [update]))
+        states = self._states()
+        changed = silenced(states, timerValues.getCurrentWatermarkInMs(), self._rules)
         if changed:
             self._store(states)
         earliest = self._earliest(states)

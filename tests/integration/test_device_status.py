@@ -1,4 +1,4 @@
-"""The device status query on a real silver Delta table: transitions, event-time offline timers, replay.
+"""The device status query on a real silver Delta table: transitions, offline in event time, replay.
 
 The silver table is fed by hand, one append per step, and the query (processing-time trigger) is drained
 after each with ``processAllAvailable``, which also waits for the no-data batches that advance the
@@ -137,10 +137,14 @@ def test_status_transitions_offline_timer_and_replay(spark: SparkSession, settin
         _append(spark, settings, query, [b(5, 50), q(3, 50)])
         assert _current(spark, settings)["dev-a"] == (ONLINE, at(20), at(20), "reporting")
 
-        # dev-b moves the watermark to 85 s: dev-a's timer fires, dated at its deadline, not at 85 s.
+        # Readings of 95 s take the next watermark to 85 s: dev-a goes offline, dated at its deadline, not at
+        # 85 s, and in the batch that read them (dev-q's, in its shard), not in the next one, which Spark runs
+        # to move the watermark there.
         _append(spark, settings, query, [b(7, 95), q(4, 95)])
         assert _current(spark, settings)["dev-a"] == (OFFLINE, at(80), at(20), "silent for 60s")
         assert _current(spark, settings)["dev-q"] == (ONLINE, at(0), at(95), "reporting")
+        read_them = max(p["batchId"] for p in query.recentProgress if p["numInputRows"] > 0)
+        assert _last_commit(settings, DEVICE_STATUS_CHANGES)[1] == [{"version": read_them}]
 
         _append(spark, settings, query, [silver_row("dev-a", 4, 100), b(8, 100, out_of_range="temperature"), q(5, 100)])
         assert _current(spark, settings)["dev-a"] == (ONLINE, at(100), at(100), "reporting")

@@ -25,14 +25,16 @@ from streaming.device_status import (
     changes_of,
     go_offline,
     latest_status,
+    next_watermark,
     reading_columns,
     significant_readings,
     silence_reason,
+    silenced,
     status_updates,
 )
 from tests.readings import at, silver_frame, silver_row
 
-RULES = StatusRules(offline_after_ms=60_000, low_battery=15.0)
+RULES = StatusRules(offline_after_ms=60_000, low_battery=15.0, lateness_ms=5_000)
 
 
 def reading(seconds: float, seq: int, battery: float | None = 90.0, out_of_range: str | None = None) -> Reading:
@@ -82,8 +84,10 @@ def test_silence_reason_in_seconds() -> None:
 
 
 def test_rules_come_from_settings() -> None:
-    settings = Settings.from_env({}, offline_after="2 minutes", low_battery=20.0)
-    assert StatusRules.from_settings(settings) == StatusRules(offline_after_ms=120_000, low_battery=20.0)
+    settings = Settings.from_env({}, offline_after="2 minutes", low_battery=20.0, status_lateness="7 seconds")
+    assert StatusRules.from_settings(settings) == StatusRules(
+        offline_after_ms=120_000, low_battery=20.0, lateness_ms=7_000
+    )
 
 
 # -- advance: one batch of one device -------------------------------------------------------------------
@@ -251,6 +255,25 @@ def test_a_shard_applies_each_device_s_readings_as_if_it_were_alone(
     assert changed == [(device, updates) for device, updates in alone.items() if updates]
     for device, updates in changed:
         assert states[device] == updates[-1].state
+
+
+def test_the_devices_a_watermark_has_passed_go_offline_at_their_deadlines() -> None:
+    states = {
+        "dev-a": state(ONLINE, 0, 20, 3, "reporting", 3),  # deadline 80 s
+        "dev-b": state(DEGRADED, 5, 30, 4, "battery 9.0% < 15%", 4),  # deadline 90 s
+        "dev-c": state(OFFLINE, 70, 10, 2, "silent for 60s", 3),  # offline already: no deadline
+    }
+    gone = silenced(states, watermark_ms=80_000, rules=RULES)
+    assert gone == [("dev-a", [go_offline(state(ONLINE, 0, 20, 3, "reporting", 3), 80_000)])]
+    assert states["dev-a"] == gone[0][1][0].state and states["dev-a"].since_ms == 80_000
+    assert silenced(states, watermark_ms=89_999, rules=RULES) == []  # dev-b's deadline is not reached yet
+    assert [device for device, _ in silenced(states, watermark_ms=90_000, rules=RULES)] == ["dev-b"]
+
+
+def test_a_batch_s_readings_say_where_the_next_watermark_is_at_least() -> None:
+    """Spark's next watermark is the newest event time of every batch so far, less the lateness."""
+    frame = _frame([reading(95, 7), reading(50, 5), reading(92, 6)])
+    assert next_watermark(frame, RULES) == 95_000 - RULES.lateness_ms
 
 
 # -- the operator on a static frame ---------------------------------------------------------------------
