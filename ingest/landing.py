@@ -7,19 +7,22 @@ table that already holds it is skipped.
 
 Two queries:
 
-* **ingest** reads one micro-batch of Kafka records and writes all three tables from it: every record
+* **ingest** reads one micro-batch of Kafka records and writes all four tables from it: every record
   parsed (``ingest.bronze``) into bronze, those that failed parsing or name an unregistered device into
   quarantine with the reason, and each distinct reading once into silver (``ingest.silver``: the registry
-  joined, validated, lateness classified). Deduplication within the watermark is Spark's state store:
-  ``dropDuplicatesWithinWatermark`` on the reading key remembers every key for ``IOTMON_WATERMARK`` of event
-  time, so a batch learns which of its readings are new without reading silver. The plan reads the batch's
-  records twice, once whole and once for the keys the state has not seen (Spark does not share a source scan
-  between the branches of a union), which costs a second parse of each record; a chain of two queries
-  through bronze costs a second micro-batch with its fixed costs and a Delta hop (docs/cost-model.md).
-* **late_arrivals** lands the readings Kafka delivered later than the watermark (``too_late``), which no
-  state remembers: silver itself is looked up for them, a slow trigger's worth at a time, on the driver
-  (``iotmon.lake.absent``: only the silver files whose statistics do not rule the readings out, only their key
-  columns).
+  joined, validated, lateness classified), except those Kafka delivered later than the watermark
+  (``too_late``), which go to ``too_late_readings`` for the late-arrivals query. Deduplication within the
+  watermark is Spark's state store: ``dropDuplicatesWithinWatermark`` on the reading key remembers every key
+  for ``IOTMON_WATERMARK`` of event time, so a batch learns which of its readings are new without reading
+  silver. The plan reads the batch's records twice, once whole and once for the keys the state has not seen
+  (Spark does not share a source scan between the branches of a union), which costs a second parse of each
+  record; a chain of two queries through bronze costs a second micro-batch with its fixed costs and a Delta
+  hop (docs/cost-model.md).
+* **late_arrivals** lands the too-late readings, which no state remembers: silver itself is looked up for
+  them, a slow trigger's worth at a time, on the driver (``iotmon.lake.absent``: only the silver files whose
+  statistics do not rule the readings out, only their key columns). It streams the small hand-off table, not
+  bronze: about one reading in two hundred, where a read of bronze would parse and classify every record again
+  every minute (docs/cost-model.md, "The late arrivals' own table").
 """
 
 from __future__ import annotations
@@ -56,7 +59,6 @@ from iotmon.lake import (
     create_table,
     held,
     planned_watermark,
-    table_property,
     table_version,
 )
 from iotmon.queries import QuerySpec, Trigger, query_settings
@@ -74,11 +76,9 @@ from iotmon.schema import (
     SILVER,
     SILVER_SCHEMA,
     TOO_LATE,
+    TOO_LATE_READINGS,
 )
 
-BRONZE_VERSION = "iotmon.bronzeVersion"
-"""Table property of ``silver`` set by ``iotmon backfill``: silver holds bronze up to this version, so the
-late-arrivals query starting from a new checkpoint begins right after it."""
 FIRST_SEEN = "_first_seen"
 """Marks the rows of an ingest batch that are reading keys seen for the first time, not records."""
 _RECORDS = "records"
@@ -86,6 +86,8 @@ _RECORD_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys([*BRONZE_SCHEMA.fieldName
 """What the ingest writer collects of each record: bronze's row, and silver's for a reading."""
 _RECENT = "_recent"
 """Marks the collected records that are readings the ingest query lands itself: accepted, not too late."""
+_TOO_LATE = "_too_late"
+"""Marks the collected records that are readings for the late-arrivals query: accepted, too late."""
 BatchWriter = Callable[[DataFrame, int], None]
 LOOKUP_ATTEMPTS = 5
 """How often a late-arrivals batch looks silver up again after an ingest commit conflicted with its append."""
@@ -102,6 +104,12 @@ def ensure_landing_tables(spark: SparkSession, settings: Settings) -> None:
     )
     create_table(spark, table(DEVICES), DEVICES_SCHEMA, "The device registry (static reference).")
     create_table(spark, table(SILVER), SILVER_SCHEMA, "Distinct valid readings, enriched.")
+    create_table(
+        spark,
+        table(TOO_LATE_READINGS),
+        SILVER_SCHEMA,
+        "Valid readings Kafka delivered later than the watermark, each copy once, for the late-arrivals query.",
+    )
 
 
 def kafka_records(spark: SparkSession, settings: Settings, admission: Mapping[str, str] | None = None) -> DataFrame:
@@ -198,15 +206,17 @@ def ingest_rows(records: DataFrame, devices: DataFrame, settings: Settings) -> D
 
 class IngestWriter:
     """The ingest query's ``foreachBatch``: every record into bronze, rejects into quarantine, the batch's new
-    readings into silver; each table skipped if it already holds the batch.
+    readings into silver, its too-late ones into ``too_late_readings``; each table skipped if it already holds
+    the batch.
 
-    One Spark action over the held batch (``iotmon.lake.collected``) brings the driver the classified
-    records (bronze's columns and silver's, and whether each is a reading this query lands), the keys the
-    state saw first and the rejects. Silver's new readings are picked from them in Arrow: the readings whose
-    keys the state saw first, one copy each (``ingest.silver.first_copies``), a sort of the batch's rows on
-    the driver where Spark would shuffle and sort them in stages of tasks of their own (docs/cost-model.md,
-    "Silver's readings picked on the driver"). The readings behind the watermark the state was not asked
-    about are looked up in silver (``append_to_silver``)."""
+    One Spark action over the held batch (``iotmon.lake.collected``) brings the driver the classified records
+    (bronze's columns and silver's, and whether each is a reading this query lands or hands on), the keys the
+    state saw first and the rejects. The too-late readings go as they are to ``too_late_readings``. Silver's
+    new readings are picked from the rest in Arrow: the readings whose keys the state saw first, one copy each
+    (``ingest.silver.first_copies``), a sort of the batch's rows on the driver where Spark would shuffle and
+    sort them in stages of tasks of their own (docs/cost-model.md, "Silver's readings picked on the driver").
+    The readings behind the watermark the state was not asked about are looked up in silver
+    (``append_to_silver``)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -217,10 +227,11 @@ class IngestWriter:
         spark, table = batch.sparkSession, self.settings.table_path
         with held(batch) as rows:
             classified = rows.where(~F.col(FIRST_SEEN))
-            recent = accepted() & (F.col(LATENESS) != TOO_LATE)
+            too_late = F.col(LATENESS) == TOO_LATE
+            flags = ((accepted() & ~too_late).alias(_RECENT), (accepted() & too_late).alias(_TOO_LATE))
             out = collected(
                 {
-                    _RECORDS: classified.select(*_RECORD_COLUMNS, recent.alias(_RECENT)),
+                    _RECORDS: classified.select(*_RECORD_COLUMNS, *flags),
                     FIRST_SEEN: rows.where(F.col(FIRST_SEEN)).select(*READING_KEY),
                     QUARANTINE: quarantine_rows(classified).unionByName(rejected_rows(classified)),
                 }
@@ -230,6 +241,9 @@ class IngestWriter:
         append_once(records.select(BRONZE_SCHEMA.fieldNames()), table(BRONZE), self.ledger, batch_id, spark)
         if out[QUARANTINE].num_rows:
             append_once(out[QUARANTINE], table(QUARANTINE), self.ledger, batch_id, spark)
+        too_late = records.filter(records[_TOO_LATE]).select(SILVER_SCHEMA.fieldNames())
+        if too_late.num_rows:
+            append_once(too_late, table(TOO_LATE_READINGS), self.ledger, batch_id, spark)
         new = first_copies(readings.join(first_seen, list(READING_KEY), join_type="left semi"))
         lookup = self._behind(readings, first_seen, batch_id, spark)
         append_to_silver(self.settings, self.ledger, batch_id, new, lookup, spark)
@@ -244,15 +258,6 @@ class IngestWriter:
         behind = readings.filter(pc.less_equal(readings[EVENT_TIME], bound))
         behind = first_copies(behind.join(first_seen, list(READING_KEY), join_type="left anti"))
         return behind if behind.num_rows else None
-
-
-def bronze_stream(spark: SparkSession, settings: Settings) -> DataFrame:
-    """Bronze as a stream, for a query starting from a new checkpoint right after what a backfill read."""
-    reader = spark.readStream.format("delta")
-    backfilled = table_property(spark, settings.table_path(SILVER), BRONZE_VERSION)
-    if backfilled is not None:  # only honoured by a new checkpoint, which is when it applies
-        reader = reader.option("startingVersion", int(backfilled) + 1)
-    return reader.load(settings.table_path(BRONZE))
 
 
 def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
@@ -325,13 +330,9 @@ def write_late_arrivals(settings: Settings, ledger: BatchLedger) -> BatchWriter:
 
 
 def start_late_arrivals(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-    """Bronze -> silver for the readings Kafka delivered later than the watermark: rare, so looked up in
-    silver itself, a whole trigger's worth at once."""
+    """Too-late readings -> silver: rare, so looked up in silver itself, a whole trigger's worth at once."""
     checkpoint = settings.checkpoint_path(LATE_ARRIVALS)
-    classified = classify_readings(
-        bronze_stream(spark, settings), registry(spark, settings), LatenessRules.from_settings(settings)
-    )
-    late = silver_rows(classified).where(F.col(LATENESS) == TOO_LATE)
+    late = spark.readStream.format("delta").load(settings.table_path(TOO_LATE_READINGS))
     return (
         late.writeStream.queryName(LATE_ARRIVALS)
         .foreachBatch(write_late_arrivals(settings, BatchLedger(checkpoint)))

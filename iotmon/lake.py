@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from delta.tables import DeltaTable
 from deltalake import CommitProperties
 from deltalake import DeltaTable as RustDeltaTable
-from deltalake.exceptions import CommitFailedError
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, RemoveAction
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -225,6 +225,15 @@ def collected(frames: Mapping[str, DataFrame]) -> dict[str, pa.Table]:
 class StaleRead(Exception):
     """A write that read its table at a version found another commit after that version: what it read may
     lack rows that commit added. Read again and write again."""
+
+
+def table_id(path: str) -> str | None:
+    """The id of the Delta table at ``path``, which a streaming query's checkpoint records for each Delta table
+    it streams (``iotmon.queries.streamed_table_ids``); None where there is no table."""
+    try:
+        return RustDeltaTable(path).metadata().id
+    except TableNotFoundError:
+        return None
 
 
 def table_version(path: str) -> int:

@@ -88,6 +88,23 @@ def recorded_state_variables(checkpoint: Path) -> set[str] | None:
     return names
 
 
+def streamed_table_ids(checkpoint: Path) -> list[str]:
+    """The ids of the Delta tables a query's local checkpoint streamed, from its newest offsets (a version line,
+    the batch's metadata, then one offset per source; a Delta source's names its table's id); empty without."""
+    logged = [path for path in (checkpoint / "offsets").glob("*") if path.name.isdigit()]
+    if not logged:
+        return []
+    ids = []
+    for line in max(logged, key=lambda path: int(path.name)).read_text().splitlines()[2:]:
+        try:
+            offset = json.loads(line)
+        except ValueError:
+            continue  # another source's offset, or a line being written
+        if isinstance(offset, dict) and "reservoirId" in offset:
+            ids.append(str(offset["reservoirId"]))
+    return ids
+
+
 _STARTS = threading.RLock()
 """Held while a query starts: a query copies the session's configuration when it is created, so a start must
 not see another's temporary settings (``query_settings``)."""

@@ -75,7 +75,7 @@ ANOMALY_TYPES = ("spike", "stuck", "drift", "noise_burst")
 
 # Tables of the lake, addressed by ``Settings.table_path(name)``. Streaming queries are named after the
 # (first) table they write, and so are their checkpoints, except these two: the ingest query writes bronze,
-# quarantine and silver; late arrivals are silver's second writer.
+# quarantine, silver and the too-late readings; late arrivals are silver's second writer.
 INGEST = "ingest"
 """The query landing Kafka's records in bronze, quarantine and silver."""
 LATE_ARRIVALS = "late_arrivals"
@@ -84,6 +84,9 @@ BRONZE = "bronze"
 QUARANTINE = "quarantine"
 DEVICES = "devices"
 SILVER = "silver"
+TOO_LATE_READINGS = "too_late_readings"
+"""The readings Kafka delivered later than the watermark, as silver's rows, each copy once: the ingest query's
+hand-off to the late-arrivals query, which looks them up in silver a minute's worth at a time."""
 DEVICE_WINDOWS = "device_windows"
 SITE_WINDOWS = "site_windows"
 DEVICE_SESSIONS = "device_sessions"
@@ -99,6 +102,7 @@ LAKE_TABLES: tuple[str, ...] = (
     QUARANTINE,
     DEVICES,
     SILVER,
+    TOO_LATE_READINGS,
     DEVICE_WINDOWS,
     SITE_WINDOWS,
     DEVICE_SESSIONS,

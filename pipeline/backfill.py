@@ -5,8 +5,9 @@ functions the stream runs are applied to a pinned bronze snapshot, each table is
 commit (readers see the old table or the new one, never a mix), and the downstream checkpoints are
 reset so the stream resumes on top of the rebuilt tables:
 
-* the late-arrivals query resumes after the bronze version the backfill read (``iotmon.bronzeVersion`` on
-  silver); the ingest query, which reads Kafka, goes on appending to the rebuilt silver and quarantine, whose
+* the late-arrivals query starts anew on an empty ``too_late_readings``: the rebuilt silver holds every
+  too-late reading bronze holds, and a batch the ingest query replays hands its own on again;
+* the ingest query, which reads Kafka, goes on appending to the rebuilt silver and quarantine, whose
   commits carry the ingest query's ledger tag of the last batch bronze holds: a batch killed after its bronze
   commit and before its quarantine or silver one is replayed after the backfill without landing its rejects or
   readings twice;
@@ -33,7 +34,6 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from ingest.bronze import quarantine_rows
-from ingest.landing import BRONZE_VERSION
 from ingest.silver import (
     LatenessRules,
     classify_readings,
@@ -57,14 +57,15 @@ from iotmon.schema import (
     LIVE_WINDOWS,
     QUARANTINE,
     SILVER,
+    TOO_LATE_READINGS,
 )
 from pipeline.topology import downstream_of
 from streaming.jobs import FINAL_THROUGH
 from streaming.windows import END_COLUMN, FINAL_TABLES, WindowSpec, tumbling_device_windows
 
-RESET_QUERIES: tuple[str, ...] = downstream_of(BRONZE)
-"""The queries downstream of bronze, whose checkpoints a backfill replaces (the ingest query reads Kafka
-and goes on appending to the rebuilt silver)."""
+RESET_QUERIES: tuple[str, ...] = downstream_of(SILVER)
+"""The queries that read silver, whose checkpoints a backfill replaces (the ingest query reads Kafka and goes
+on appending to the rebuilt silver)."""
 REBUILT_BY_STREAM: tuple[str, ...] = (DEVICE_STATUS, DEVICE_STATUS_CHANGES, ANOMALIES, ALERTS)
 """Tables a backfill empties for the resumed stream to rebuild from the new silver: state machines, whose
 history only the stream replays faithfully, and the scores (the current champion rescores everything)."""
@@ -141,7 +142,6 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
     classified = classify_readings(bronze, devices, LatenessRules.from_settings(settings)).localCheckpoint()
     tag = ingest_tag(spark, settings, bronze_version)
     result.rows[SILVER] = _replace(distinct_readings(silver_rows(classified)), table(SILVER), tag)
-    _set_property(spark, table(SILVER), BRONZE_VERSION, str(bronze_version))
     # Quarantine whole, as the ingest query wrote it, with the same tag: bronze keeps each record's parse error,
     # so its rejects come back as they were, and silver's are judged again (the registry may have changed).
     rejects = quarantine_rows(bronze).unionByName(rejected_rows(classified))
@@ -173,6 +173,7 @@ def backfill(spark: SparkSession, settings: Settings, out: TextIO = sys.stderr) 
 
     rebuilds = {name: final_table(name) for name in FINAL_TABLES} | {LIVE_WINDOWS: live_windows}
     rebuilds |= {name: emptied(name) for name in REBUILT_BY_STREAM if DeltaTable.isDeltaTable(spark, table(name))}
+    rebuilds[TOO_LATE_READINGS] = emptied(TOO_LATE_READINGS)  # handed on, and in the rebuilt silver already
     with ThreadPoolExecutor(REBUILDS_AT_ONCE, thread_name_prefix="iotmon-backfill") as pool:
         result.rows |= dict(zip(rebuilds, pool.map(lambda rebuild: rebuild(), rebuilds.values()), strict=True))
     if result.final_through is not None:

@@ -40,6 +40,7 @@ def run_stream(
     from pipeline.topology import (
         ensure_tables,
         lead_queries,
+        moved_sources,
         outdated_checkpoints,
         pool_weights,
         retired_checkpoints,
@@ -60,6 +61,13 @@ def run_stream(
             f"{settings.checkpoint_root} holds state an earlier version kept differently ({', '.join(outdated)}), "
             "which Spark cannot read. Rebuild the tables below silver from the archive with `iotmon backfill` "
             "(it starts those queries anew), or start over with `iotmon reset`"
+        )
+    if moved := moved_sources(settings):
+        raise ConfigError(
+            f"{settings.checkpoint_root} holds checkpoints of queries that streamed another table in an earlier "
+            f"version ({', '.join(moved)}): Spark refuses them, and what they had not read of it would be in no "
+            "table. Rebuild silver and the tables below it from the archive with `iotmon backfill` (it starts "
+            "those queries anew), or start over with `iotmon reset`"
         )
     registry.import_mlflow()  # before the queries start: the scorer uses MLflow from their foreachBatch threads
     ensure_topic(settings)

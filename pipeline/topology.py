@@ -5,7 +5,7 @@ One declaration, used by ``iotmon stream`` (which queries to start, with which t
 reads, to tell when it has caught up) and the docs' picture (docs/topology.md)::
 
     Kafka ──ingest──▶ bronze, quarantine, silver   (parse, registry join, state-store dedup within the watermark)
-    bronze ──late_arrivals──▶ silver                (readings later than the watermark, looked up)
+               └────▶ too_late_readings ──late_arrivals──▶ silver   (readings later than the watermark, looked up)
     silver ──device_windows──▶ device_windows, site_windows, device_sessions
            ├─device_windows_live──▶ device_windows_live
            ├─device_status──▶ device_status, device_status_changes
@@ -24,8 +24,9 @@ from pyspark.sql import SparkSession
 
 from ingest.landing import INGEST_QUERY, LATE_ARRIVALS_QUERY, early_batches, ensure_landing_tables
 from iotmon.config import Settings, interval_seconds
+from iotmon.lake import table_id
 from iotmon.preflight import local_directory
-from iotmon.queries import QuerySpec, Trigger, recorded_state_variables
+from iotmon.queries import QuerySpec, Trigger, recorded_state_variables, streamed_table_ids
 from iotmon.schema import (
     ALERTS,
     ANOMALIES,
@@ -40,6 +41,7 @@ from iotmon.schema import (
     SILVER,
     SITE_WINDOWS,
     STREAM_CLOCK,
+    TOO_LATE_READINGS,
 )
 from streaming.alerts import ALERTS_QUERY
 from streaming.device_status import DEVICE_STATUS_QUERY
@@ -95,15 +97,16 @@ TOPOLOGY: tuple[Node, ...] = (
     Node(
         INGEST_QUERY,
         reads=(KAFKA, DEVICES),
-        writes=(BRONZE, QUARANTINE, SILVER),
+        writes=(BRONZE, QUARANTINE, SILVER, TOO_LATE_READINGS),
         purpose="every record once into bronze; each distinct reading once into silver (state-store "
-        "deduplication), enriched; what failed parsing or names an unregistered device quarantined with the reason",
+        "deduplication), enriched; what failed parsing or names an unregistered device quarantined with the reason; "
+        "readings later than the watermark handed on",
         budget=Budget.ARRIVAL,
         weight=4,
     ),
     Node(
         LATE_ARRIVALS_QUERY,
-        reads=(BRONZE, DEVICES, SILVER),
+        reads=(TOO_LATE_READINGS, SILVER),
         writes=(SILVER,),
         purpose="readings Kafka delivered later than the watermark, looked up in silver",
         budget=Budget.WATERMARK,
@@ -177,6 +180,27 @@ def outdated_checkpoints(settings: Settings) -> list[str]:
         if recorded is not None and recorded != set(n.query.state_variables):
             outdated.append(n.name)
     return outdated
+
+
+def moved_sources(settings: Settings) -> list[str]:
+    """The queries whose local checkpoints streamed another Delta table than the one they stream in this version
+    (the late arrivals streamed bronze before ``too_late_readings``). Spark refuses such a checkpoint at every
+    start, and what the query had not yet read of its old source would be in no table: a backfill rebuilds what
+    these queries write and starts them anew (``pipeline.backfill``)."""
+    root = local_directory(settings.checkpoint_root)
+    if root is None:
+        return []
+    ids: dict[str, str | None] = {}
+    moved = []
+    for n in TOPOLOGY:
+        streamed = streamed_table_ids(root / n.name) if n.source != KAFKA else []
+        if not streamed:
+            continue
+        if n.source not in ids:  # silver feeds five queries: its log is read once
+            ids[n.source] = table_id(settings.table_path(n.source))
+        if ids[n.source] not in streamed:
+            moved.append(n.name)
+    return moved
 
 
 def ensure_tables(spark: SparkSession, settings: Settings) -> None:

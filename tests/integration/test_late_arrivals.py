@@ -1,8 +1,8 @@
 """Silver's two writers: readings Kafka delivered later than the watermark reach silver once each, however their
-copies fall between the ingest and late-arrivals queries; a commit of one writer that lands while the other
-looks silver up makes the other's append refused, and the lookup is done again instead of failing the query;
-an ingest batch killed between its bronze commit and its quarantine or silver commit, replayed after a backfill,
-lands nothing twice."""
+copies fall between the ingest and late-arrivals queries, handed on through ``too_late_readings``; a commit of
+one writer that lands while the other looks silver up makes the other's append refused, and the lookup is done
+again instead of failing the query; an ingest batch killed between its bronze commit and its quarantine or
+silver commit, replayed after a backfill, lands nothing twice."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from iotmon.schema import (
     SILVER,
     SILVER_SCHEMA,
     TOO_LATE,
+    TOO_LATE_READINGS,
 )
 from pipeline.backfill import backfill
 from pipeline.stream import drain_until_idle
@@ -77,6 +78,12 @@ def _lake(spark: SparkSession, settings: Settings) -> None:
     devices.write.format("delta").mode("append").save(settings.table_path(DEVICES))
 
 
+def _handed_on(spark: SparkSession, settings: Settings) -> list[tuple[str, int, dt.datetime]]:
+    """The copies in ``too_late_readings``: (device, seq, Kafka time stamp), sorted."""
+    rows = spark.read.format("delta").load(settings.table_path(TOO_LATE_READINGS)).collect()
+    return sorted((row["device_id"], row["seq"], row["kafka_timestamp"]) for row in rows)
+
+
 def _rows(spark: SparkSession, settings: Settings, table: str) -> int:
     return spark.read.format("delta").load(settings.table_path(table)).count()
 
@@ -95,7 +102,9 @@ def test_each_reading_later_than_the_watermark_lands_in_silver_once(spark: Spark
     ]
     _publish(isolated, sends)
     drained = drain_until_idle(spark, isolated, [SILVER])
-    assert drained == {INGEST: len(sends), LATE_ARRIVALS: len(sends)}  # one batch each
+    too_late = [send for send in sends if send[3] >= TOO_LATE_S]
+    assert drained == {INGEST: len(sends), LATE_ARRIVALS: len(too_late)}  # one batch each; only the too-late read
+    assert _handed_on(spark, isolated) == sorted((d, seq, _at(t + delay)) for d, seq, t, delay in too_late)
 
     assert _rows(spark, isolated, BRONZE) == len(sends)
     assert _silver(spark, isolated) == {
@@ -107,7 +116,7 @@ def test_each_reading_later_than_the_watermark_lands_in_silver_once(spark: Spark
 
     # A later batch's too-late copy of a reading an earlier batch looked up and landed: silver answers for it.
     _publish(isolated, [("dev-a", 3, 120, TOO_LATE_S + 200)])
-    drain_until_idle(spark, isolated, [SILVER])
+    assert drain_until_idle(spark, isolated, [SILVER]) == {INGEST: 1, LATE_ARRIVALS: 1}
     assert _silver(spark, isolated)[("dev-a", 3)] == [(TOO_LATE, _at(120 + TOO_LATE_S))]
     assert _rows(spark, isolated, BRONZE) == len(sends) + 1
 
@@ -161,7 +170,9 @@ def test_a_batch_killed_between_bronze_and_silver_and_replayed_after_a_backfill_
     _lake(spark, isolated)
     _publish(isolated, [("dev-a", seq, 2 * seq, 0.5) for seq in range(1, 11)])
     drain_until_idle(spark, isolated, [SILVER])
+    # The killed batch: ten readings, and two Kafka delivered too late, handed on before the kill.
     _publish(isolated, [("dev-a", seq, 2 * seq, 0.5) for seq in range(11, 21)])
+    _publish(isolated, [("dev-a", seq, 2 * seq, TOO_LATE_S) for seq in (21, 22)])
 
     def killed(*args: object, **options: object) -> None:
         raise RuntimeError("killed between the bronze and the silver commit")
@@ -170,14 +181,15 @@ def test_a_batch_killed_between_bronze_and_silver_and_replayed_after_a_backfill_
     with pytest.raises(QueryFailed, match="killed between the bronze and the silver commit"):
         drain_until_idle(spark, isolated, [SILVER])
     monkeypatch.undo()
-    assert (_rows(spark, isolated, BRONZE), _rows(spark, isolated, SILVER)) == (20, 10)
+    assert (_rows(spark, isolated, BRONZE), _rows(spark, isolated, SILVER)) == (22, 10)
+    assert len(_handed_on(spark, isolated)) == 2
 
     backfill(spark, isolated)  # silver rebuilt from bronze holds the killed batch's readings
-    assert _rows(spark, isolated, SILVER) == 20
-    assert drain_until_idle(spark, isolated, [SILVER])[INGEST] == 10  # the killed batch, replayed
+    assert (_rows(spark, isolated, SILVER), _rows(spark, isolated, TOO_LATE_READINGS)) == (22, 0)
+    assert drain_until_idle(spark, isolated, [SILVER])[INGEST] == 12  # the killed batch, replayed
     counts = {key: len(copies) for key, copies in _silver(spark, isolated).items()}
-    assert counts == {("dev-a", seq): 1 for seq in range(1, 21)}
-    assert _rows(spark, isolated, BRONZE) == 20
+    assert counts == {("dev-a", seq): 1 for seq in range(1, 23)}
+    assert _rows(spark, isolated, BRONZE) == 22
 
 
 def test_a_batch_killed_between_bronze_and_quarantine_and_replayed_after_a_backfill_quarantines_each_reject_once(

@@ -219,12 +219,13 @@ def test_batch_costs_sum_each_query_s_batches_since_a_mark() -> None:
 
 
 def test_a_query_is_behind_until_it_read_what_its_source_holds() -> None:
-    held = {KAFKA: 100, "bronze": 100, "silver": 95, "anomalies": 95}
-    read = {"ingest": 100, "late_arrivals": 100, "device_windows": 95, "device_windows_live": 95}
+    held = {KAFKA: 100, "too_late_readings": 2, "silver": 95, "anomalies": 95}
+    read = {"ingest": 100, "late_arrivals": 2, "device_windows": 95, "device_windows_live": 95}
     read |= {"device_status": 95, "anomalies": 95, "alerts": 90}
     assert behind(read, held) == ["alerts"]
     assert behind({**read, "alerts": 95}, held) == []
     assert "ingest" in behind({}, held)
+    assert behind({**read, "late_arrivals": 1, "alerts": 95}, held) == ["late_arrivals"]
 
 
 def test_archive_copies_keep_whole_devices_to_reach_a_size() -> None:

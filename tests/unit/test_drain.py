@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from iotmon.config import Settings
-from iotmon.schema import ANOMALIES, BRONZE, SILVER
+from iotmon.schema import ANOMALIES, SILVER, TOO_LATE_READINGS
 from pipeline.drain import delta_source_end, kafka_read, table_read, unread
 from pipeline.topology import TOPOLOGY
 
@@ -43,11 +43,11 @@ def test_kafka_is_read_when_every_partition_is_at_its_high_watermark() -> None:
 
 def test_unread_lists_the_running_queries_behind_their_source_upstream_first() -> None:
     settings = Settings(home=Path("/home"))
-    versions = {BRONZE: 4, SILVER: 6, ANOMALIES: 0}
-    files = {BRONZE: True, SILVER: True, ANOMALIES: False}
+    versions = {TOO_LATE_READINGS: 4, SILVER: 6, ANOMALIES: 0}
+    files = {TOO_LATE_READINGS: True, SILVER: True, ANOMALIES: False}
     progress: dict[str, Mapping[str, Any] | None] = {
         "ingest": {"sources": [{"description": "KafkaV2[Subscribe[t]]", "endOffset": {"t": {"0": 9}}}]},
-        "late_arrivals": {"sources": [delta_source(settings.table_path(BRONZE), 5)]},
+        "late_arrivals": {"sources": [delta_source(settings.table_path(TOO_LATE_READINGS), 5)]},
         "device_windows": {"sources": [delta_source(settings.table_path(SILVER), 6)]},  # version 6 unread
         "alerts": None,  # anomalies has no data yet
     }

@@ -6,10 +6,13 @@ import json
 import threading
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
+from deltalake import write_deltalake
 
 from ingest.landing import early_batches
 from iotmon.config import ConfigError, Settings
+from iotmon.lake import table_id
 from iotmon.schema import (
     ALERTS,
     ANOMALIES,
@@ -21,7 +24,9 @@ from iotmon.schema import (
     LIVE_WINDOWS,
     QUARANTINE,
     SILVER,
+    TOO_LATE_READINGS,
 )
+from pipeline.backfill import RESET_QUERIES
 from pipeline.stream import run_stream
 from pipeline.topology import (
     KAFKA,
@@ -29,6 +34,7 @@ from pipeline.topology import (
     Budget,
     downstream_of,
     lead_queries,
+    moved_sources,
     node,
     outdated_checkpoints,
     queries,
@@ -40,10 +46,11 @@ from pipeline.topology import (
 )
 
 
-def test_one_query_reads_kafka_and_writes_the_three_landing_tables() -> None:
+def test_one_query_reads_kafka_and_writes_the_landing_tables() -> None:
     readers = [n for n in TOPOLOGY if n.source == KAFKA]
     assert [n.name for n in readers] == [INGEST]
-    assert set(node(INGEST).writes) == {BRONZE, QUARANTINE, SILVER}
+    assert set(node(INGEST).writes) == {BRONZE, QUARANTINE, SILVER, TOO_LATE_READINGS}
+    assert node(LATE_ARRIVALS).source == TOO_LATE_READINGS  # not bronze: a reading in two hundred, not every one
     assert TOPOLOGY[0].name == INGEST  # upstream first
     assert lead_queries() == (INGEST,)  # a stream starts it first, the others after its first trigger
 
@@ -61,9 +68,9 @@ def test_a_draining_query_waits_for_every_query_writing_what_it_streams_from() -
     assert upstream_of(ALERTS) == (INGEST, LATE_ARRIVALS, ANOMALIES)
 
 
-def test_a_backfill_resets_what_reads_bronze_but_not_the_ingest_query() -> None:
-    reset = downstream_of(BRONZE)
-    assert LATE_ARRIVALS in reset and DEVICE_WINDOWS in reset and INGEST not in reset
+def test_a_backfill_resets_what_reads_silver_but_not_the_ingest_query() -> None:
+    assert set(RESET_QUERIES) == {n.name for n in TOPOLOGY} - {INGEST}
+    assert downstream_of(TOO_LATE_READINGS) == RESET_QUERIES  # the late arrivals' hand-off, which it empties
 
 
 def test_checkpoints_of_the_retired_bronze_and_silver_queries_are_found(tmp_path: Path) -> None:
@@ -99,6 +106,37 @@ def test_checkpoints_holding_state_of_an_earlier_version_are_found(tmp_path: Pat
     assert outdated_checkpoints(settings) == [DEVICE_STATUS]
     _operator_metadata(checkpoint, 12, *node(DEVICE_STATUS).query.state_variables)
     assert outdated_checkpoints(settings) == []
+
+
+def _offsets(checkpoint: Path, batch: int, *table_ids: str) -> None:
+    """What Spark 4.2 writes for a batch of a query streaming Delta tables (``offsets/<batch>``)."""
+    sources = [{"sourceVersion": 1, "reservoirId": i, "reservoirVersion": 3, "index": -1} for i in table_ids]
+    (checkpoint / "offsets").mkdir(parents=True, exist_ok=True)
+    lines = ["v1", json.dumps({"batchWatermarkMs": 0, "conf": {}}), *map(json.dumps, sources)]
+    (checkpoint / "offsets" / str(batch)).write_text("\n".join(lines))
+
+
+def test_checkpoints_that_streamed_another_table_are_found(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    checkpoint = Path(settings.checkpoint_path(LATE_ARRIVALS))
+    assert moved_sources(settings) == []
+    write_deltalake(settings.table_path(TOO_LATE_READINGS), pa.table({"seq": pa.array([], pa.int64())}))
+    handed_on = table_id(settings.table_path(TOO_LATE_READINGS))
+    _offsets(checkpoint, 0, handed_on)
+    assert moved_sources(settings) == []
+    _offsets(checkpoint, 4, "the-id-of-bronze")  # an earlier version's late arrivals, newest
+    assert moved_sources(settings) == [LATE_ARRIVALS]
+    _offsets(Path(settings.checkpoint_path(DEVICE_WINDOWS)), 2, "the-id-of-silver-before-a-reset")
+    assert moved_sources(settings) == [LATE_ARRIVALS, DEVICE_WINDOWS]
+    _offsets(checkpoint, 5, handed_on)
+    assert moved_sources(settings) == [DEVICE_WINDOWS]
+
+
+def test_a_stream_refuses_to_start_on_a_checkpoint_of_another_table(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    _offsets(Path(settings.checkpoint_path(LATE_ARRIVALS)), 7, "the-id-of-bronze")
+    with pytest.raises(ConfigError, match=r"streamed another table .*\(late_arrivals\).*backfill"):
+        run_stream(settings, threading.Event())  # before it touches Kafka or Spark
 
 
 def test_a_stream_refuses_to_start_on_state_of_an_earlier_version(tmp_path: Path) -> None:
