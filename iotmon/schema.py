@@ -77,7 +77,7 @@ ANOMALY_TYPES = ("spike", "stuck", "drift", "noise_burst")
 # (first) table they write, and so are their checkpoints, except these two: the ingest query writes bronze,
 # quarantine, silver and the too-late readings; late arrivals are silver's second writer.
 INGEST = "ingest"
-"""The query landing Kafka's records in bronze, quarantine and silver."""
+"""The query landing Kafka's records in bronze, quarantine and silver, and handing the too-late readings on."""
 LATE_ARRIVALS = "late_arrivals"
 """The query landing in silver the readings Kafka delivered later than the watermark."""
 BRONZE = "bronze"
