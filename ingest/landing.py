@@ -12,12 +12,12 @@ Two queries:
   quarantine with the reason, and each distinct reading once into silver (``ingest.silver``: the registry
   joined, validated, lateness classified), except those Kafka delivered later than the watermark
   (``too_late``), which go to ``too_late_readings`` for the late-arrivals query. Deduplication within the
-  watermark is Spark's state store: ``dropDuplicatesWithinWatermark`` on the reading key remembers every key
-  for ``IOTMON_WATERMARK`` of event time, so a batch learns which of its readings are new without reading
-  silver. The plan reads the batch's records twice, once whole and once for the keys the state has not seen
-  (Spark does not share a source scan between the branches of a union), which costs a second parse of each
-  record; a chain of two queries through bronze costs a second micro-batch with its fixed costs and a Delta
-  hop (docs/cost-model.md).
+  watermark is Spark's state store: ``dropDuplicates`` on the reading key, whose event time carries the
+  watermark, remembers every key until the watermark passes it, so a batch learns which of its readings are
+  new without reading silver. The plan reads the batch's records twice, once whole and once for the keys the
+  state has not seen (Spark does not share a source scan between the branches of a union), which costs a second
+  parse of each record; a chain of two queries through bronze costs a second micro-batch with its fixed costs
+  and a Delta hop (docs/cost-model.md).
 * **late_arrivals** lands the too-late readings, which no state remembers: silver itself is looked up for
   them, a slow trigger's worth at a time, on the driver (``iotmon.lake.absent``: only the silver files whose
   statistics do not rule the readings out, only their key columns). It streams the small hand-off table, not
@@ -78,6 +78,7 @@ from iotmon.schema import (
     TOO_LATE,
     TOO_LATE_READINGS,
 )
+from iotmon.spark import IN_HEAP_STATE_STORE
 
 FIRST_SEEN = "_first_seen"
 """Marks the rows of an ingest batch that are reading keys seen for the first time, not records."""
@@ -183,11 +184,14 @@ def first_seen_keys(readings: DataFrame, watermark: str) -> DataFrame:
     """The key of each reading seen for the first time, by state within ``watermark``.
 
     ``readings`` are accepted, not ``too_late`` (the late-arrivals query's part). The rare reading whose
-    event time the watermark has passed anyway is dropped here, and recognised by the batch writer.
+    event time the watermark has passed anyway is dropped here, and recognised by the batch writer. So the
+    state need not remember a key once the watermark has passed its event time, which is when Spark evicts a
+    key that holds the watermark's column: ``dropDuplicatesWithinWatermark`` would keep each for a watermark
+    longer, twice the keys for every batch to scan (docs/cost-model.md, "The deduplication's state").
     """
     return (
         readings.withWatermark(EVENT_TIME, watermark)
-        .dropDuplicatesWithinWatermark(list(READING_KEY))
+        .dropDuplicates(list(READING_KEY))
         .select(*READING_KEY)
         .withColumn(FIRST_SEEN, F.lit(True))
     )
@@ -261,9 +265,9 @@ class IngestWriter:
 
 
 def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-    """Kafka -> bronze, quarantine and silver from one micro-batch, deduplicated by state, joined with the
-    static registry (a stream-static join); under a processing-time trigger, a batch sooner once enough records
-    wait (``early_batches``)."""
+    """Kafka -> bronze, quarantine and silver from one micro-batch, deduplicated by state (kept on the JVM's
+    heap: ``iotmon.spark.IN_HEAP_STATE_STORE``), joined with the static registry (a stream-static join); under a
+    processing-time trigger, a batch sooner once enough records wait (``early_batches``)."""
     early = early_batches(trigger, settings)
     records = kafka_records(spark, settings, early.options if early else None)
     rows = ingest_rows(records, registry(spark, settings), settings)
@@ -273,7 +277,7 @@ def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> S
         .option("checkpointLocation", settings.checkpoint_path(INGEST))
         .trigger(**(early.trigger if early else trigger))
     )
-    with query_settings(spark, early.conf if early else {}):
+    with query_settings(spark, {**IN_HEAP_STATE_STORE, **(early.conf if early else {})}):
         return writer.start()
 
 
@@ -342,6 +346,7 @@ def start_late_arrivals(spark: SparkSession, settings: Settings, trigger: Trigge
     )
 
 
-INGEST_QUERY = QuerySpec(INGEST, start_ingest, source_reads=2)
-"""Its plan reads each Kafka batch twice: the classified records, and the first-seen keys (state)."""
+INGEST_QUERY = QuerySpec(INGEST, start_ingest, source_reads=2, state_operators=("dedupe",))
+"""Its plan reads each Kafka batch twice: the classified records, and the first-seen keys (state: ``dropDuplicates``,
+where versions before 2026-12-07 kept ``dropDuplicatesWithinWatermark``'s)."""
 LATE_ARRIVALS_QUERY = QuerySpec(LATE_ARRIVALS, start_late_arrivals)

@@ -34,6 +34,7 @@ def run_stream(
     from iotmon.kafka import ensure_topic
     from iotmon.ops import install_progress_recorder
     from iotmon.preflight import require_writable
+    from iotmon.schema import INGEST
     from iotmon.spark import spark_session
     from ml import registry
     from pipeline.drain import unread_now
@@ -57,10 +58,15 @@ def run_stream(
             "keeps Kafka's data for the stream to archive anew (or `make demo ARGS=--fresh`)"
         )
     if outdated := outdated_checkpoints(settings):
+        remedy = (
+            "Start over with `iotmon reset`, which keeps Kafka's data for the stream to archive anew"
+            if INGEST in outdated
+            else "Rebuild the tables below silver from the archive with `iotmon backfill` (it starts those queries "
+            "anew), or start over with `iotmon reset`"
+        )
         raise ConfigError(
             f"{settings.checkpoint_root} holds state an earlier version kept differently ({', '.join(outdated)}), "
-            "which Spark cannot read. Rebuild the tables below silver from the archive with `iotmon backfill` "
-            "(it starts those queries anew), or start over with `iotmon reset`"
+            f"which Spark cannot read. {remedy}"
         )
     if moved := moved_sources(settings):
         raise ConfigError(

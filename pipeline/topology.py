@@ -26,7 +26,13 @@ from ingest.landing import INGEST_QUERY, LATE_ARRIVALS_QUERY, early_batches, ens
 from iotmon.config import Settings, interval_seconds
 from iotmon.lake import table_id
 from iotmon.preflight import local_directory
-from iotmon.queries import QuerySpec, Trigger, recorded_state_variables, streamed_table_ids
+from iotmon.queries import (
+    QuerySpec,
+    Trigger,
+    recorded_state_operators,
+    recorded_state_variables,
+    streamed_table_ids,
+)
 from iotmon.schema import (
     ALERTS,
     ANOMALIES,
@@ -168,16 +174,20 @@ def retired_checkpoints(settings: Settings) -> list[str]:
 
 
 def outdated_checkpoints(settings: Settings) -> list[str]:
-    """The queries whose local checkpoints hold operator state of an earlier version: state variables other
-    than those their operators declare (``QuerySpec.state_variables``). Spark would fail such a query at its
-    first batch, and again at every restart."""
+    """The queries whose local checkpoints hold operator state of an earlier version: other operators, or state
+    variables, than the query declares (``QuerySpec.state_operators``, ``state_variables``). Spark would fail
+    such a query at its first batch, and again at every restart."""
     root = local_directory(settings.checkpoint_root)
     if root is None:
         return []
     outdated = []
     for n in TOPOLOGY:
-        recorded = recorded_state_variables(root / n.name) if n.query.state_variables else None
-        if recorded is not None and recorded != set(n.query.state_variables):
+        query, checkpoint = n.query, root / n.name
+        variables = recorded_state_variables(checkpoint) if query.state_variables else None
+        operators = recorded_state_operators(checkpoint) if query.state_operators else None
+        if (variables is not None and variables != set(query.state_variables)) or (
+            operators is not None and operators != set(query.state_operators)
+        ):
             outdated.append(n.name)
     return outdated
 

@@ -108,6 +108,27 @@ def test_checkpoints_holding_state_of_an_earlier_version_are_found(tmp_path: Pat
     assert outdated_checkpoints(settings) == []
 
 
+def _v1_operator_metadata(checkpoint: Path, operator: str) -> None:
+    """What Spark 4.2 writes for a stateful operator other than transformWithState (``state/0/_metadata/metadata``)."""
+    info = {"operatorId": 0, "operatorName": operator}
+    metadata = {"operatorInfo": info, "stateStoreInfo": [{"storeName": "default", "numPartitions": 2}]}
+    folder = checkpoint / "state" / "0" / "_metadata"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metadata").write_text("v1\n" + json.dumps(metadata))
+
+
+def test_an_ingest_checkpoint_deduplicating_as_an_earlier_version_did_is_found(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    checkpoint = Path(settings.checkpoint_path(INGEST))
+    _v1_operator_metadata(checkpoint, "dedupe")
+    assert outdated_checkpoints(settings) == []
+    # dropDuplicatesWithinWatermark kept each key a watermark longer, in a state of another layout
+    _v1_operator_metadata(checkpoint, "dedupeWithinWatermark")
+    assert outdated_checkpoints(settings) == [INGEST]
+    with pytest.raises(ConfigError, match=r"kept differently \(ingest\).*`iotmon reset`, which keeps Kafka's data"):
+        run_stream(settings, threading.Event())  # before it touches Kafka or Spark
+
+
 def _offsets(checkpoint: Path, batch: int, *table_ids: str) -> None:
     """What Spark 4.2 writes for a batch of a query streaming Delta tables (``offsets/<batch>``)."""
     sources = [{"sourceVersion": 1, "reservoirId": i, "reservoirVersion": 3, "index": -1} for i in table_ids]
