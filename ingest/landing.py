@@ -78,7 +78,6 @@ from iotmon.schema import (
     TOO_LATE,
     TOO_LATE_READINGS,
 )
-from iotmon.spark import IN_HEAP_STATE_STORE
 
 FIRST_SEEN = "_first_seen"
 """Marks the rows of an ingest batch that are reading keys seen for the first time, not records."""
@@ -265,9 +264,9 @@ class IngestWriter:
 
 
 def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-    """Kafka -> bronze, quarantine and silver from one micro-batch, deduplicated by state (kept on the JVM's
-    heap: ``iotmon.spark.IN_HEAP_STATE_STORE``), joined with the static registry (a stream-static join); under a
-    processing-time trigger, a batch sooner once enough records wait (``early_batches``)."""
+    """Kafka -> bronze, quarantine and silver from one micro-batch, deduplicated by state, joined with the
+    static registry (a stream-static join); under a processing-time trigger, a batch sooner once enough records
+    wait (``early_batches``)."""
     early = early_batches(trigger, settings)
     records = kafka_records(spark, settings, early.options if early else None)
     rows = ingest_rows(records, registry(spark, settings), settings)
@@ -277,7 +276,7 @@ def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> S
         .option("checkpointLocation", settings.checkpoint_path(INGEST))
         .trigger(**(early.trigger if early else trigger))
     )
-    with query_settings(spark, {**IN_HEAP_STATE_STORE, **(early.conf if early else {})}):
+    with query_settings(spark, early.conf if early else {}):
         return writer.start()
 
 

@@ -121,14 +121,13 @@ def set_up(settings: Settings, out: TextIO = sys.stdout) -> None:
 
 def _workload(scratch: Path) -> None:
     """What a start of the project's commands loads: a session, Delta reads, writes and a MERGE, stateful
-    streaming queries with a watermark (state in RocksDB and on the heap) and ``foreachBatch``, a pandas function
-    (Arrow, Python workers)."""
+    streaming queries with a watermark (RocksDB state) and ``foreachBatch``, a pandas function (Arrow, Python
+    workers)."""
     from delta.tables import DeltaTable
     from pyspark.sql import DataFrame
     from pyspark.sql import functions as F
 
-    from iotmon.queries import query_settings
-    from iotmon.spark import IN_HEAP_STATE_STORE, spark_session
+    from iotmon.spark import spark_session
 
     spark = spark_session(Settings.from_env(), "iotmon-class-archive")
     source, windows, latest = (str(scratch / name) for name in ("source", "windows", "latest"))
@@ -147,16 +146,12 @@ def _workload(scratch: Path) -> None:
         target.merge(newest.alias("s"), condition).whenMatchedUpdateAll().whenNotMatchedInsertAll().execute()
 
     stream = spark.readStream.format("delta").load(source).withWatermark("event_time", "30 seconds")
-    with query_settings(spark, IN_HEAP_STATE_STORE):  # as the ingest query deduplicates
-        deduplicated = (
-            stream.dropDuplicates(["device_id", "event_time"])
-            .writeStream.foreachBatch(upsert)
-            .option("checkpointLocation", str(scratch / "checkpoints" / "latest"))
-            .trigger(availableNow=True)
-            .start()
-        )
     queries = [
-        deduplicated,
+        stream.dropDuplicates(["device_id", "event_time"])  # as the ingest query deduplicates
+        .writeStream.foreachBatch(upsert)
+        .option("checkpointLocation", str(scratch / "checkpoints" / "latest"))
+        .trigger(availableNow=True)
+        .start(),
         stream.groupBy(F.window("event_time", "1 minute"), "device_id")
         .agg(F.avg("value").alias("value"), F.count("*").alias("readings"))
         .writeStream.format("delta")

@@ -60,20 +60,6 @@ not ship) runs a ``readlink`` process for every rename; renaming through ``FileS
 rename without the process (docs/cost-model.md, the collector and the checkpoint files)."""
 
 
-STATE_STORE_PROVIDER = "spark.sql.streaming.stateStore.providerClass"
-ROCKSDB_STATE_STORE = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
-"""The session's state store: off the JVM heap, the only one ``transformWithState`` runs on."""
-IN_HEAP_STATE_STORE: dict[str, str] = {
-    STATE_STORE_PROVIDER: "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider",
-    # The provider keeps the versions it loaded in memory, two by default: each a copy of the whole state.
-    "spark.sql.streaming.maxBatchesToRetainInMemory": "1",
-}
-"""The settings of a query whose state is a set of small keys that every batch scans to evict (the ingest
-query's deduplication, ``iotmon.queries.query_settings``): in a hash map on the JVM heap a scan costs a
-quarter of RocksDB's, and the state is a few hundred bytes a key (docs/cost-model.md, "The deduplication's
-state"). Fixed into the query's checkpoint at its first run, as the session's provider is."""
-
-
 def checkpoint_file_manager(settings: Settings) -> str | None:
     """The checkpoint file manager for the configured checkpoint root: the rename without a process on a local
     disk; Spark's own choice elsewhere (HDFS, object stores), where it knows the store's guarantees."""
@@ -136,7 +122,10 @@ def spark_session(
         .config("spark.scheduler.mode", "FAIR")
         # RocksDB keeps state off the JVM heap (transformWithState requires it); the changelog makes a
         # state commit write only what changed. Both are fixed into a stateful query's checkpoint.
-        .config(STATE_STORE_PROVIDER, ROCKSDB_STATE_STORE)
+        .config(
+            "spark.sql.streaming.stateStore.providerClass",
+            "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
+        )
         .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
         # Generated classes are cached by their source, 100 by default, fewer than the eight queries' plans
         # hold: an evicted class is compiled again (Janino) and JIT-compiled again, and compilation is the
