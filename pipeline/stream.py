@@ -51,15 +51,15 @@ def run_stream(
     from streaming.scoring import SCORING_QUERY
 
     require_writable(settings, "lake", "checkpoints", "home")
+    start_over = "Start over with `iotmon reset`, which keeps Kafka's data for the stream to archive anew"
     if retired := retired_checkpoints(settings):
         raise ConfigError(
             f"{settings.checkpoint_root} holds checkpoints of queries this version replaced ({', '.join(retired)}): "
-            "its ingest query would archive every Kafka record again. Start over with `iotmon reset`, which "
-            "keeps Kafka's data for the stream to archive anew (or `make demo ARGS=--fresh`)"
+            f"its ingest query would archive every Kafka record again. {start_over} (or `make demo ARGS=--fresh`)"
         )
     if outdated := outdated_checkpoints(settings):
         remedy = (
-            "Start over with `iotmon reset`, which keeps Kafka's data for the stream to archive anew"
+            start_over
             if INGEST in outdated
             else "Rebuild the tables below silver from the archive with `iotmon backfill` (it starts those queries "
             "anew), or start over with `iotmon reset`"
