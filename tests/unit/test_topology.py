@@ -84,6 +84,13 @@ def test_checkpoints_of_the_retired_bronze_and_silver_queries_are_found(tmp_path
     assert retired_checkpoints(settings) == []
 
 
+def test_a_stream_refuses_to_start_on_checkpoints_of_retired_queries(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    (Path(settings.checkpoint_root) / "bronze" / "commits").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"replaced \(bronze\).*`iotmon reset`, which keeps Kafka's data.*--fresh"):
+        run_stream(settings, threading.Event())  # before it touches Kafka or Spark
+
+
 def _operator_metadata(checkpoint: Path, batch: int, *state_variables: str) -> None:
     """What Spark 4.2 writes for a transformWithState operator at a batch (``state/0/_metadata/v2/<batch>``)."""
     names = [*state_variables, "$eventTimers_keyToTimestamp"]
