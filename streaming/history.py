@@ -67,6 +67,16 @@ class _Readings:
         """These readings and ``other``'s, each once, sorted; complete from where these are (``other`` only
         adds readings). A reading both hold keeps these readings' judgements."""
         parts = [self] if other is None else [self, other]
+        if other is not None and _before(self, other):  # the usual batch, newer than all held: nothing to sort
+            return _Readings(
+                np.concatenate([self.event_us, other.event_us]),
+                np.concatenate([self.seq, other.seq]),
+                np.concatenate([self.values, other.values]),
+                np.concatenate([self.on_time, other.on_time]),
+                Judgements.concatenated([self.judgements, other.judgements]),
+                self.complete_from_us,
+                max(self.newest_scored_us, other.newest_scored_us),
+            )
         event_us = np.concatenate([p.event_us for p in parts])
         seq = np.concatenate([p.seq for p in parts])
         order = np.lexsort((seq, event_us))
@@ -224,11 +234,24 @@ class _Silver:
         return self.columns.readings(rows[within], start_us)
 
 
+def _before(earlier: _Readings, later: _Readings) -> bool:
+    """Whether every reading of ``later`` comes after every reading of ``earlier``, in (event time, seq) order."""
+    if len(earlier.event_us) == 0 or len(later.event_us) == 0:
+        return True
+    return (int(later.event_us[0]), int(later.seq[0])) > (int(earlier.event_us[-1]), int(earlier.seq[-1]))
+
+
 def _features(known: _Readings, mine: _Readings, spec: FeatureSpec) -> np.ndarray:
     """The features of ``mine``'s readings, all of which ``known`` holds with their lookback; the judgements
-    computed on the way stay in ``known``."""
-    wanted = _positions(known, mine.event_us, mine.seq)
-    return device_features(known.event_us, known.values, known.on_time, spec, wanted, known.judgements)
+    computed on the way stay in ``known``.
+
+    Only ``known``'s readings from the lookback of ``mine``'s oldest on are passed (views, so the judgements
+    land in ``known``): no feature of ``mine`` depends on an older one (``ml.features``), and ``known`` keeps
+    a watermark more for the readings that arrive late. Every array operation of the features is then over a
+    lookback, not over all that is kept (docs/cost-model.md, "The scorer's features, per device or at once")."""
+    lookback = known.since(spec.lookback_start_us(int(mine.event_us[0])))
+    wanted = _positions(lookback, mine.event_us, mine.seq)
+    return device_features(lookback.event_us, lookback.values, lookback.on_time, spec, wanted, lookback.judgements)
 
 
 def _positions(readings: _Readings, event_us: np.ndarray, seq: np.ndarray) -> np.ndarray:
