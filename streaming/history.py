@@ -248,7 +248,8 @@ def _features(known: _Readings, mine: _Readings, spec: FeatureSpec) -> np.ndarra
     Only ``known``'s readings from the lookback of ``mine``'s oldest on are passed (views, so the judgements
     land in ``known``): no feature of ``mine`` depends on an older one (``ml.features``), and ``known`` keeps
     a watermark more for the readings that arrive late. Every array operation of the features is then over a
-    lookback, not over all that is kept (docs/cost-model.md, "The scorer's features, per device or at once")."""
+    lookback, not over all that is kept (docs/cost-model.md, "The ingest batch's fixed CPU; the scorer's features
+    by lookback")."""
     lookback = known.since(spec.lookback_start_us(int(mine.event_us[0])))
     wanted = _positions(lookback, mine.event_us, mine.seq)
     return device_features(lookback.event_us, lookback.values, lookback.on_time, spec, wanted, lookback.judgements)
