@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -30,8 +29,7 @@ frame, planning, running it into the sink, and the offset and commit logs. Their
 class ProgressCollector(JsonEventListener):
     """Progress rows (``iotmon.ops.progress_row`` without the raw JSON) of every query of one session."""
 
-    def __init__(self, source_reads: Mapping[str, int] | None = None) -> None:
-        self._source_reads = dict(source_reads or {})
+    def __init__(self) -> None:
         self._lock = threading.Condition()
         self._rows: list[dict[str, Any]] = []
         self._started: set[str] = set()
@@ -43,7 +41,7 @@ class ProgressCollector(JsonEventListener):
 
     def onQueryProgress(self, event: QueryProgressEvent) -> None:
         progress = json.loads(event.progress.json)
-        row = progress_row(progress, self._source_reads.get(progress.get("name"), 1))
+        row = progress_row(progress)
         row.pop("progress_json", None)
         row["phases_ms"] = {
             phase: ms for phase, ms in (progress.get("durationMs") or {}).items() if phase in BATCH_PHASES

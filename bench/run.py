@@ -175,10 +175,10 @@ def _phases(
         topics.append(phase.topic)
         return phase
 
-    from pipeline.topology import pool_weights, source_reads
+    from pipeline.topology import pool_weights
 
     spark = spark_session(base, "iotmon-bench", pool_weights())
-    collector = ProgressCollector(source_reads()).install(spark)
+    collector = ProgressCollector().install(spark)
     jvm = jvm_pid(spark)
     memory = MemorySampler(jvm)
     memory.start()

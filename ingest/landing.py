@@ -11,13 +11,14 @@ Two queries:
   parsed (``ingest.bronze``) into bronze, those that failed parsing or name an unregistered device into
   quarantine with the reason, and each distinct reading once into silver (``ingest.silver``: the registry
   joined, validated, lateness classified), except those Kafka delivered later than the watermark
-  (``too_late``), which go to ``too_late_readings`` for the late-arrivals query. Deduplication within the
-  watermark is Spark's state store: ``dropDuplicates`` on the reading key, whose event time carries the
-  watermark, remembers every key until the watermark passes it, so a batch learns which of its readings are
-  new without reading silver. The plan reads the batch's records twice, once whole and once for the keys the
-  state has not seen (Spark does not share a source scan between the branches of a union), which costs a second
-  parse of each record; a chain of two queries through bronze costs a second micro-batch with its fixed costs
-  and a Delta hop (docs/cost-model.md).
+  (``too_late``), which go to ``too_late_readings`` for the late-arrivals query. The plan reads and parses each
+  record once, under an event-time watermark. Deduplication within the watermark is the writer's, on the
+  driver where the batch is: the keys of the readings it landed whose event time the watermark has not passed
+  (``ingest.seen``), which silver itself holds for a writer that starts. Spark's ``dropDuplicates`` kept them
+  in its state store for a third of the batch's fixed CPU and half its CPU per record: a second read and parse
+  of the batch in a second branch of the plan (a union's branches share no scan), a shuffle, and a scan of the
+  whole state at every batch (docs/cost-model.md, "The deduplication on the driver"). A chain of two queries
+  through bronze would cost a second micro-batch with its fixed costs and a Delta hop.
 * **late_arrivals** lands the too-late readings, which no state remembers: silver itself is looked up for
   them, a slow trigger's worth at a time, on the driver (``iotmon.lake.absent``: only the silver files whose
   statistics do not rule the readings out, only their key columns). It streams the small hand-off table, not
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -38,15 +39,14 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from ingest.bronze import PayloadRules, parse_records, quarantine_rows
+from ingest.seen import SeenReadings
 from ingest.silver import (
     READING_KEY,
     LatenessRules,
     accepted,
-    classify_readings,
     classify_records,
     first_copies,
     rejected_rows,
-    silver_rows,
 )
 from iotmon.config import Settings, interval_seconds
 from iotmon.kafka import spark_kafka_options
@@ -58,10 +58,11 @@ from iotmon.lake import (
     collected,
     create_table,
     held,
+    keys_after,
     planned_watermark,
     table_version,
 )
-from iotmon.queries import QuerySpec, Trigger, query_settings
+from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     BRONZE,
     BRONZE_SCHEMA,
@@ -79,13 +80,12 @@ from iotmon.schema import (
     TOO_LATE_READINGS,
 )
 
-FIRST_SEEN = "_first_seen"
-"""Marks the rows of an ingest batch that are reading keys seen for the first time, not records."""
 _RECORDS = "records"
 _RECORD_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys([*BRONZE_SCHEMA.fieldNames(), *SILVER_SCHEMA.fieldNames()]))
 """What the ingest writer collects of each record: bronze's row, and silver's for a reading."""
-_RECENT = "_recent"
-"""Marks the collected records that are readings the ingest query lands itself: accepted, not too late."""
+_RECENT_TIME = "_recent_event_time"
+"""The event time of a record that is a reading the ingest query lands itself (accepted, not too late), else
+null: the watermark's column."""
 _TOO_LATE = "_too_late"
 """Marks the collected records that are readings for the late-arrivals query: accepted, too late."""
 BatchWriter = Callable[[DataFrame, int], None]
@@ -144,13 +144,10 @@ class EarlyBatches:
 
     trigger: Trigger
     options: dict[str, str]
-    conf: dict[str, str]
-    """The query's own session settings (``iotmon.queries.query_settings``)."""
 
 
 EARLY_POLL_SECONDS = 1.0
 """How often an ingest query with early batches asks Kafka how many records wait: one metadata request."""
-NO_DATA_BATCHES = "spark.sql.streaming.noDataMicroBatches.enabled"
 
 
 def early_batches(trigger: Trigger, settings: Settings) -> EarlyBatches | None:
@@ -158,10 +155,8 @@ def early_batches(trigger: Trigger, settings: Settings) -> EarlyBatches | None:
     available-now trigger included: it reads what there is, whatever its count).
 
     The interval is counted from the poll that started the last batch, so the delay is half a poll short of it:
-    the poll that ends the interval starts the batch, and not the one after it. The query runs no batches
-    without records: Spark runs one after every batch that moved the watermark (to evict the deduplication's
-    expired keys), which at the demo's rate, with a poll between batches, would double the ingest query's
-    batches; the next batch with records evicts them instead.
+    the poll that ends the interval starts the batch, and not the one after it. The query runs no batch without
+    records: Spark runs those only for a stateful operator whose watermark moved, and the ingest query has none.
     """
     interval = trigger.get("processingTime")
     if interval is None or interval_seconds(interval) <= EARLY_POLL_SECONDS:
@@ -170,7 +165,6 @@ def early_batches(trigger: Trigger, settings: Settings) -> EarlyBatches | None:
     return EarlyBatches(
         trigger={"processingTime": f"{round(EARLY_POLL_SECONDS * 1000)} milliseconds"},
         options={"minOffsetsPerTrigger": str(settings.ingest_batch_records), "maxTriggerDelay": f"{delay_ms}ms"},
-        conf={NO_DATA_BATCHES: "false"},
     )
 
 
@@ -179,32 +173,19 @@ def registry(spark: SparkSession, settings: Settings) -> DataFrame:
     return spark.read.format("delta").load(settings.table_path(DEVICES))
 
 
-def first_seen_keys(readings: DataFrame, watermark: str) -> DataFrame:
-    """The key of each reading seen for the first time, by state within ``watermark``.
-
-    ``readings`` are accepted, not ``too_late`` (the late-arrivals query's part). The rare reading whose
-    event time the watermark has passed anyway is dropped here, and recognised by the batch writer. So the
-    state need not remember a key once the watermark has passed its event time, which is when Spark evicts a
-    key that holds the watermark's column: ``dropDuplicatesWithinWatermark`` would keep each for a watermark
-    longer, twice the keys for every batch to scan (docs/cost-model.md, "The deduplication's state").
-    """
-    return (
-        readings.withWatermark(EVENT_TIME, watermark)
-        .dropDuplicates(list(READING_KEY))
-        .select(*READING_KEY)
-        .withColumn(FIRST_SEEN, F.lit(True))
-    )
-
-
 def ingest_rows(records: DataFrame, devices: DataFrame, settings: Settings) -> DataFrame:
-    """Kafka records -> what one ingest batch needs: every record as a classified bronze row
-    (``ingest.silver.classify_records``), plus (``FIRST_SEEN``) the keys of the readings seen for the first
-    time. Pure; on a stream the keys are state."""
+    """Kafka records -> every record as a classified bronze row (``ingest.silver.classify_records``), under the
+    readings' event-time watermark. Pure; one read and one parse of each record.
+
+    The watermark is on ``_recent_event_time``, a reading's event time when silver takes it from this query
+    (accepted, not ``too_late``), so only those move it; Spark counts the other rows' null as the epoch, which
+    leaves the newest event time, and so the watermark, as it is."""
     bronze = parse_records(records, PayloadRules.from_settings(settings))
-    lateness = LatenessRules.from_settings(settings)
-    classified = classify_records(bronze, devices, lateness).withColumn(FIRST_SEEN, F.lit(False))
-    recent = silver_rows(classify_readings(bronze, devices, lateness)).where(F.col(LATENESS) != TOO_LATE)
-    return classified.unionByName(first_seen_keys(recent, settings.watermark), allowMissingColumns=True)
+    classified = classify_records(bronze, devices, LatenessRules.from_settings(settings))
+    recent = accepted() & (F.col(LATENESS) != TOO_LATE)
+    return classified.withColumn(_RECENT_TIME, F.when(recent, F.col(EVENT_TIME))).withWatermark(
+        _RECENT_TIME, settings.watermark
+    )
 
 
 class IngestWriter:
@@ -213,71 +194,81 @@ class IngestWriter:
     the batch.
 
     One Spark action over the held batch (``iotmon.lake.collected``) brings the driver the classified records
-    (bronze's columns and silver's, and whether each is a reading this query lands or hands on), the keys the
-    state saw first and the rejects. The too-late readings go as they are to ``too_late_readings``. Silver's
-    new readings are picked from the rest in Arrow: the readings whose keys the state saw first, one copy each
-    (``ingest.silver.first_copies``), a sort of the batch's rows on the driver where Spark would shuffle and
-    sort them in stages of tasks of their own (docs/cost-model.md, "Silver's readings picked on the driver").
-    The readings behind the watermark the state was not asked about are looked up in silver
-    (``append_to_silver``)."""
+    (bronze's columns and silver's, and whether each is a reading this query lands or hands on) and the
+    rejects. The too-late readings go as they are to ``too_late_readings``. Silver's new readings are picked from
+    the rest in Arrow, one copy of each reading (``ingest.silver.first_copies``: a sort of the batch's rows on the
+    driver where Spark would shuffle and sort them in stages of tasks of their own; docs/cost-model.md, "Silver's
+    readings picked on the driver"):
+
+    * those ahead of the batch's watermark whose keys silver does not hold, by the keys this writer landed
+      (``ingest.seen.SeenReadings``: read back from silver when the writer starts, and whenever a batch is not
+      the one after its last);
+    * those at or behind it, which no such key answers for, looked up in silver itself (``append_to_silver``).
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.checkpoint = settings.checkpoint_path(INGEST)
         self.ledger = BatchLedger(self.checkpoint)
+        self.seen = SeenReadings()
+        self.next_batch: int | None = None
+        """The batch ``seen`` is up to date for; None until it is read from silver."""
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         spark, table = batch.sparkSession, self.settings.table_path
         with held(batch) as rows:
-            classified = rows.where(~F.col(FIRST_SEEN))
-            too_late = F.col(LATENESS) == TOO_LATE
-            flags = ((accepted() & ~too_late).alias(_RECENT), (accepted() & too_late).alias(_TOO_LATE))
+            too_late = accepted() & (F.col(LATENESS) == TOO_LATE)
             out = collected(
                 {
-                    _RECORDS: classified.select(*_RECORD_COLUMNS, *flags),
-                    FIRST_SEEN: rows.where(F.col(FIRST_SEEN)).select(*READING_KEY),
-                    QUARANTINE: quarantine_rows(classified).unionByName(rejected_rows(classified)),
+                    _RECORDS: rows.select(*_RECORD_COLUMNS, _RECENT_TIME, too_late.alias(_TOO_LATE)),
+                    QUARANTINE: quarantine_rows(rows).unionByName(rejected_rows(rows)),
                 }
             )
-        records, first_seen = out[_RECORDS], out[FIRST_SEEN]
-        readings = records.filter(records[_RECENT]).select(SILVER_SCHEMA.fieldNames())
+        records = out[_RECORDS]
         append_once(records.select(BRONZE_SCHEMA.fieldNames()), table(BRONZE), self.ledger, batch_id, spark)
         if out[QUARANTINE].num_rows:
             append_once(out[QUARANTINE], table(QUARANTINE), self.ledger, batch_id, spark)
         too_late = records.filter(records[_TOO_LATE]).select(SILVER_SCHEMA.fieldNames())
         if too_late.num_rows:
             append_once(too_late, table(TOO_LATE_READINGS), self.ledger, batch_id, spark)
-        new = first_copies(readings.join(first_seen, list(READING_KEY), join_type="left semi"))
-        lookup = self._behind(readings, first_seen, batch_id, spark)
-        append_to_silver(self.settings, self.ledger, batch_id, new, lookup, spark)
-
-    def _behind(self, readings: pa.Table, first_seen: pa.Table, batch_id: int, spark: SparkSession) -> pa.Table | None:
-        """The batch's readings at or behind its watermark that the state did not see first, one copy each, for
-        silver to answer: the state may not have been asked about them (None when there are none)."""
+        readings = records.filter(pc.is_valid(records[_RECENT_TIME])).select(SILVER_SCHEMA.fieldNames())
         watermark = planned_watermark(spark, self.checkpoint, batch_id)
-        if watermark is None:
-            return None
-        bound = pa.scalar(watermark.replace(tzinfo=UTC), readings.schema.field(EVENT_TIME).type)
-        behind = readings.filter(pc.less_equal(readings[EVENT_TIME], bound))
-        behind = first_copies(behind.join(first_seen, list(READING_KEY), join_type="left anti"))
-        return behind if behind.num_rows else None
+        if self.next_batch != batch_id:
+            self.seen = SeenReadings()
+            self.seen.add(keys_after(table(SILVER), READING_KEY, EVENT_TIME, watermark))
+        ahead, behind = _split(readings, watermark)
+        new = ahead.filter(self.seen.unseen(ahead))
+        append_to_silver(self.settings, self.ledger, batch_id, new, behind, spark)
+        self.seen.add(new)
+        self.seen.forget(watermark)
+        self.next_batch = batch_id + 1
+
+
+def _split(readings: pa.Table, watermark: datetime | None) -> tuple[pa.Table, pa.Table | None]:
+    """A batch's readings, one copy of each: those ahead of its watermark, and those at or behind it (None when
+    there are none)."""
+    if watermark is None:
+        return first_copies(readings), None
+    bound = pa.scalar(watermark.replace(tzinfo=UTC), readings.schema.field(EVENT_TIME).type)
+    at_or_behind = pc.less_equal(readings[EVENT_TIME], bound)
+    behind = first_copies(readings.filter(at_or_behind))
+    return first_copies(readings.filter(pc.invert(at_or_behind))), behind if behind.num_rows else None
 
 
 def start_ingest(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:
-    """Kafka -> bronze, quarantine and silver from one micro-batch, deduplicated by state, joined with the
+    """Kafka -> bronze, quarantine and silver from one micro-batch, deduplicated on the driver, joined with the
     static registry (a stream-static join); under a processing-time trigger, a batch sooner once enough records
     wait (``early_batches``)."""
     early = early_batches(trigger, settings)
     records = kafka_records(spark, settings, early.options if early else None)
     rows = ingest_rows(records, registry(spark, settings), settings)
-    writer = (
+    return (
         rows.writeStream.queryName(INGEST)
         .foreachBatch(IngestWriter(settings))
         .option("checkpointLocation", settings.checkpoint_path(INGEST))
         .trigger(**(early.trigger if early else trigger))
+        .start()
     )
-    with query_settings(spark, early.conf if early else {}):
-        return writer.start()
 
 
 def append_to_silver(
@@ -345,7 +336,5 @@ def start_late_arrivals(spark: SparkSession, settings: Settings, trigger: Trigge
     )
 
 
-INGEST_QUERY = QuerySpec(INGEST, start_ingest, source_reads=2, state_operators=("dedupe",))
-"""Its plan reads each Kafka batch twice: the classified records, and the first-seen keys (state: ``dropDuplicates``,
-where versions before 2026-12-07 kept ``dropDuplicatesWithinWatermark``'s)."""
+INGEST_QUERY = QuerySpec(INGEST, start_ingest)
 LATE_ARRIVALS_QUERY = QuerySpec(LATE_ARRIVALS, start_late_arrivals)

@@ -556,6 +556,25 @@ def absent(rows: pa.Table, path: str, keys: Sequence[str], version: int) -> pa.T
     return rows.join(held, list(keys), join_type="left anti").select(rows.column_names)
 
 
+def keys_after(path: str, keys: Sequence[str], time_column: str, after: datetime | None) -> pa.Table:
+    """The ``keys`` columns of the rows of the table at ``path`` whose ``time_column`` is after ``after`` (naive
+    UTC; every row when None), read on the driver like ``absent``: only the files whose statistics do not rule
+    such rows out, the row groups before it skipped."""
+    table = RustDeltaTable(path)
+    schema = _arrow_schema(table)
+    actions = pa.table(table.get_add_actions(flatten=True))
+    bound = None if after is None else pa.scalar(after.replace(tzinfo=UTC), schema.field(time_column).type)
+    paths = actions.column("path").to_pylist()
+    if bound is not None:
+        gone = ruled_out(actions, time_column, bound.as_py()).to_pylist()
+        paths = [file for file, out in zip(paths, gone, strict=True) if not out]
+    if not paths:
+        return schema.empty_table().select(list(keys))
+    files, root = table_files(table)
+    stored = ds.dataset([f"{root}/{unquote(file)}" for file in paths], schema=schema, filesystem=files)
+    return stored.to_table(columns=list(keys), filter=None if bound is None else ds.field(time_column) > bound)
+
+
 def _floor_ms(value: Any) -> Any:
     """A timestamp cut to the millisecond, as Delta's statistics may have it; anything else as it is."""
     return value.replace(microsecond=value.microsecond // 1000 * 1000) if isinstance(value, datetime) else value

@@ -88,10 +88,6 @@ def _rate(value: Any) -> float | None:
     return rate if math.isfinite(rate) else None
 
 
-def _per_read(rate: float | None, source_reads: int) -> float | None:
-    return None if rate is None else rate / source_reads
-
-
 def source_offsets(value: Any) -> dict[str, Any] | None:
     """Source offsets are JSON objects in ``progress.json`` but JSON strings in PySpark's progress objects."""
     if isinstance(value, str):
@@ -126,9 +122,8 @@ def _state_sum(operators: list[Mapping[str, Any]], key: str) -> int | None:
     return sum(int(op.get(key) or 0) for op in operators) if operators else None
 
 
-def progress_row(progress: Mapping[str, Any], source_reads: int = 1) -> dict[str, Any]:
-    """One ``query_progress`` row from a progress report parsed from its JSON (``json.loads(progress.json)``);
-    ``source_reads`` is how many times the query's plan reads its source (``QuerySpec.source_reads``).
+def progress_row(progress: Mapping[str, Any]) -> dict[str, Any]:
+    """One ``query_progress`` row from a progress report parsed from its JSON (``json.loads(progress.json)``).
 
     Pure, so the mapping is tested on recorded reports without Spark. Columns that do not apply (state of
     a stateless query, Kafka lag of a Delta-sourced one, a watermark not yet set) are None, not zero.
@@ -146,9 +141,9 @@ def progress_row(progress: Mapping[str, Any], source_reads: int = 1) -> dict[str
         "run_id": str(progress["runId"]),
         "batch_id": int(progress["batchId"]),
         "timestamp": parse_time(progress["timestamp"]),
-        "input_rows": None if progress.get("numInputRows") is None else progress["numInputRows"] // source_reads,
-        "input_rows_per_second": _per_read(_rate(progress.get("inputRowsPerSecond")), source_reads),
-        "processed_rows_per_second": _per_read(_rate(progress.get("processedRowsPerSecond")), source_reads),
+        "input_rows": progress.get("numInputRows"),
+        "input_rows_per_second": _rate(progress.get("inputRowsPerSecond")),
+        "processed_rows_per_second": _rate(progress.get("processedRowsPerSecond")),
         "batch_duration_ms": duration,
         "watermark": None if watermark == _NO_WATERMARK else watermark,
         "event_time_max": parse_time(event_time.get("max")),
@@ -287,10 +282,8 @@ class ProgressRecorder(JsonEventListener):
         flush_every: float = 10.0,
         out: TextIO | None = None,
         max_buffered: int = 10_000,
-        source_reads: Mapping[str, int] | None = None,
     ) -> None:
         self._session = spark
-        self._source_reads = dict(source_reads or {})
         self._table = settings.table_path(QUERY_PROGRESS)
         self._flush_every = flush_every
         self._out = out
@@ -323,7 +316,7 @@ class ProgressRecorder(JsonEventListener):
     @_reported
     def onQueryProgress(self, event: QueryProgressEvent) -> None:
         progress = json.loads(event.progress.json)
-        row = progress_row(progress, self._source_reads.get(progress.get("name"), 1))
+        row = progress_row(progress)
         key = _query_key(row["query_name"], row["query_id"])
         with self._lock:
             self._names.setdefault(row["run_id"], key)
@@ -430,9 +423,7 @@ class ProgressRecorder(JsonEventListener):
         self.close()
 
 
-def install_progress_recorder(
-    spark: SparkSession, settings: Settings, flush_every: float = 10.0, source_reads: Mapping[str, int] | None = None
-) -> ProgressRecorder:
+def install_progress_recorder(spark: SparkSession, settings: Settings, flush_every: float = 10.0) -> ProgressRecorder:
     """Create ``query_progress`` if missing, then record every query of ``spark`` into it until ``close()``."""
     from iotmon.lake import create_table
 
@@ -443,6 +434,6 @@ def install_progress_recorder(
         "One row per micro-batch of every streaming query (iotmon.ops): telemetry for dashboards.",
         append_only=True,
     )
-    recorder = ProgressRecorder(spark, settings, flush_every, source_reads=source_reads)
+    recorder = ProgressRecorder(spark, settings, flush_every)
     recorder.start()
     return recorder

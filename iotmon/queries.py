@@ -58,17 +58,9 @@ class QuerySpec:
     ready: Callable[[SparkSession, Settings], str | None] | None = None
     """For a query that needs something besides its input (the scorer needs a model): None when it can
     run, else why not. A query that is not ready waits (and is not counted as failing) until it is."""
-    source_reads: int = 1
-    """How many times a batch's plan reads its source: Spark's progress counts each read, so a source read
-    by two branches of a plan reports twice its rows."""
     state_variables: tuple[str, ...] = ()
     """The state variables of its ``transformWithState`` operator, which its checkpoint records: a checkpoint
     recording others holds state of an earlier version (``recorded_state_variables``)."""
-
-    state_operators: tuple[str, ...] = ()
-    """Spark's names of its stateful operators, which its checkpoint records, for a query whose operator an
-    earlier version chose differently: a checkpoint recording others holds that version's state
-    (``recorded_state_operators``)."""
 
     def waiting_for(self, spark: SparkSession, settings: Settings) -> str | None:
         return self.ready(spark, settings) if self.ready is not None else None
@@ -90,20 +82,6 @@ def recorded_state_variables(checkpoint: Path) -> set[str] | None:
         except (ValueError, KeyError, TypeError):
             continue  # not a transformWithState operator's, or not Spark 4's format: nothing to tell
         names = (names or set()) | recorded
-    return names
-
-
-def recorded_state_operators(checkpoint: Path) -> set[str] | None:
-    """Spark's names of the stateful operators a query's local checkpoint recorded (``state/<n>/_metadata/metadata``:
-    a version line, then the JSON; ``transformWithState`` writes its own format instead); None without any."""
-    names: set[str] | None = None
-    for path in checkpoint.glob("state/*/_metadata/metadata"):
-        try:
-            _, metadata = path.read_text().split("\n", 1)
-            name = json.loads(metadata)["operatorInfo"]["operatorName"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # being written, or not Spark 4's format: nothing to tell
-        names = (names or set()) | {str(name)}
     return names
 
 
@@ -354,7 +332,7 @@ def explain(error: BaseException | str) -> str:
     return summary + ("\n  hint: " + hints[0] if hints else "")
 
 
-def progress_line(name: str, progress: Mapping[str, Any] | None, source_reads: int = 1) -> str:
+def progress_line(name: str, progress: Mapping[str, Any] | None) -> str:
     """One line about query ``name``: a batch's ``progress``, or (None) that it is starting."""
     if not progress:
         return f"{name:<12} starting"
@@ -362,9 +340,9 @@ def progress_line(name: str, progress: Mapping[str, Any] | None, source_reads: i
 
     lag = kafka_lag(progress.get("sources", [])) or 0
     return (
-        f"{name:<12} batch {progress['batchId']:>5}  rows {progress['numInputRows'] // source_reads:>9,}  "
-        f"in {progress.get('inputRowsPerSecond', 0) / source_reads:>10,.0f}/s  "
-        f"done {progress.get('processedRowsPerSecond', 0) / source_reads:>10,.0f}/s  "
+        f"{name:<12} batch {progress['batchId']:>5}  rows {progress['numInputRows']:>9,}  "
+        f"in {progress.get('inputRowsPerSecond', 0):>10,.0f}/s  "
+        f"done {progress.get('processedRowsPerSecond', 0):>10,.0f}/s  "
         f"batch {progress['durationMs'].get('triggerExecution', 0) / 1000:>6.2f}s  kafka lag {lag:,}"
     )
 
@@ -382,7 +360,7 @@ class ProgressReport:
         self._shown: dict[str, tuple[str, int]] = {}
         """Per query, the run and batch id of the last batch reported."""
 
-    def lines(self, runs: Mapping[str, str], source_reads: Mapping[str, int]) -> list[str]:
+    def lines(self, runs: Mapping[str, str]) -> list[str]:
         """The lines due about the queries ``runs`` names, each by its run id."""
         lines = []
         for name, run in runs.items():
@@ -400,11 +378,11 @@ class ProgressReport:
             if newest is None or newest["batchId"] <= after:
                 continue
             self._shown[name] = (run, newest["batchId"])
-            lines.append(progress_line(name, newest, source_reads.get(name, 1)))
+            lines.append(progress_line(name, newest))
         return lines
 
-    def show(self, runs: Mapping[str, str], source_reads: Mapping[str, int], out: TextIO) -> None:
-        for line in self.lines(runs, source_reads):
+    def show(self, runs: Mapping[str, str], out: TextIO) -> None:
+        for line in self.lines(runs):
             say(line, out)
 
 
@@ -483,12 +461,12 @@ def _drain_one(
         return None
     started = time.monotonic()
     query = start_query(spec, spark, settings, AVAILABLE_NOW, out)
-    show = partial(ProgressReport(events).show, {spec.name: str(query.runId)}, {spec.name: spec.source_reads}, out)
+    show = partial(ProgressReport(events).show, {spec.name: str(query.runId)}, out)
     try:
         batches = await_batches(query, report_every, show)
     except StreamingQueryException as exc:
         raise QueryFailed(f"query {spec.name} failed: {settings.redact(explain(exc))}") from exc
-    rows = sum(p["numInputRows"] for p in batches) // spec.source_reads
+    rows = sum(p["numInputRows"] for p in batches)
     say(f"{spec.name:<12} drained {rows:,} rows in {time.monotonic() - started:.1f}s", out)
     return rows
 
@@ -543,12 +521,11 @@ def run_continuously(
         return every if draining.is_set() else budget(spec)
 
     queries: dict[str, StreamingQuery] = {}
-    reads = {spec.name: spec.source_reads for spec in specs}
     waiting: dict[str, float] = {}
     """Queries that are not ready, and when to ask again."""
-    lead = {name for name in lead if name in reads}
-    upstream_of = upstream or (lambda name: lead)
     specs_by_name = {spec.name: spec for spec in specs}
+    lead = {name for name in lead if name in specs_by_name}
+    upstream_of = upstream or (lambda name: lead)
     following = {spec.name: spec for spec in specs if lead and spec.name not in lead}
     """Queries that start once every lead query has finished a trigger."""
 
@@ -563,7 +540,7 @@ def run_continuously(
         queries[spec.name] = start_query(spec, spark, settings, on, out)
         runs[spec.name] = str(queries[spec.name].runId)
         running_on[spec.name] = on
-        report.show({spec.name: runs[spec.name]}, reads, out)
+        report.show({spec.name: runs[spec.name]}, out)
 
     def rate_trigger(spec: QuerySpec) -> Trigger | None:
         """The trigger each of the query's last ``RATE_BATCHES`` batches asks for by its input's rate, when that
@@ -573,7 +550,7 @@ def run_continuously(
         rates = events.rates(runs[spec.name])
         if len(rates) < RATE_BATCHES:
             return None
-        asked = [trigger_at(spec, rate / reads[spec.name]) for rate in rates]
+        asked = [trigger_at(spec, rate) for rate in rates]
         if any(ask != asked[0] for ask in asked) or asked[0] == running_on[spec.name]:
             return None
         return asked[0]
@@ -710,7 +687,7 @@ def run_continuously(
                             query.stop()
                             parked.add(spec.name)
                         elif (moved := rate_trigger(spec)) is not None and not query.status["isTriggerActive"]:
-                            rates = ", ".join(f"{rate / reads[spec.name]:,.0f}" for rate in events.rates(run))
+                            rates = ", ".join(f"{rate:,.0f}" for rate in events.rates(run))
                             query.stop()
                             interval = moved["processingTime"]
                             say(f"{spec.name}: its last batches read {rates} rows/s: every {interval} from now", out)
@@ -737,7 +714,7 @@ def run_continuously(
                     slower.discard(spec.name)  # restarted on the trigger of the moment
                     launch(spec, trigger(spec))
                 if confirming:
-                    report.show(runs, reads, out)
+                    report.show(runs, out)
                     next_report = time.monotonic() + report_every
         finally:
             for query in queries.values():

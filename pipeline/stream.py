@@ -45,7 +45,6 @@ def run_stream(
         outdated_checkpoints,
         pool_weights,
         retired_checkpoints,
-        source_reads,
         triggers_line,
     )
     from streaming.scoring import SCORING_QUERY
@@ -80,7 +79,7 @@ def run_stream(
     weights = {**pool_weights(), **(trainer_pool_weights() if train_every_s else {})}
     spark = spark_session(settings, "iotmon-stream", weights)
     ensure_tables(spark, settings)
-    with install_progress_recorder(spark, settings, source_reads=source_reads()):
+    with install_progress_recorder(spark, settings):
         if stop is None:
             drain_until_idle(spark, settings)
             return

@@ -29,7 +29,6 @@ from iotmon.preflight import local_directory
 from iotmon.queries import (
     QuerySpec,
     Trigger,
-    recorded_state_operators,
     recorded_state_variables,
     streamed_table_ids,
 )
@@ -174,9 +173,9 @@ def retired_checkpoints(settings: Settings) -> list[str]:
 
 
 def outdated_checkpoints(settings: Settings) -> list[str]:
-    """The queries whose local checkpoints hold operator state of an earlier version: other operators, or state
-    variables, than the query declares (``QuerySpec.state_operators``, ``state_variables``). Spark would fail
-    such a query at its first batch, and again at every restart."""
+    """The queries whose local checkpoints hold operator state of an earlier version: other state variables than
+    the query declares (``QuerySpec.state_variables``). Spark would fail such a query at its first batch, and
+    again at every restart."""
     root = local_directory(settings.checkpoint_root)
     if root is None:
         return []
@@ -184,10 +183,7 @@ def outdated_checkpoints(settings: Settings) -> list[str]:
     for n in TOPOLOGY:
         query, checkpoint = n.query, root / n.name
         variables = recorded_state_variables(checkpoint) if query.state_variables else None
-        operators = recorded_state_operators(checkpoint) if query.state_operators else None
-        if (variables is not None and variables != set(query.state_variables)) or (
-            operators is not None and operators != set(query.state_operators)
-        ):
+        if variables is not None and variables != set(query.state_variables):
             outdated.append(n.name)
     return outdated
 
@@ -311,11 +307,6 @@ def triggers_line(settings: Settings) -> str:
         return f"every {interval}"
 
     return "; ".join(f"{', '.join(names)} {every(b)}" for b, names in by_budget.items() if names)
-
-
-def source_reads() -> dict[str, int]:
-    """How many times each query's plan reads its source (``QuerySpec.source_reads``), for progress readers."""
-    return {n.name: n.query.source_reads for n in TOPOLOGY}
 
 
 def pool_weights() -> dict[str, int]:

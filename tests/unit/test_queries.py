@@ -29,19 +29,19 @@ def test_a_query_is_reported_once_as_it_starts_then_once_per_batch_that_read_row
     report = ProgressReport(events)
     runs = {"ingest": "run-1"}
 
-    assert report.lines(runs, {}) == ["ingest       starting"]
-    assert report.lines(runs, {}) == []
+    assert report.lines(runs) == ["ingest       starting"]
+    assert report.lines(runs) == []
 
     events.progressed(_progress(0, 1_000))
-    (line,) = report.lines(runs, {})
+    (line,) = report.lines(runs)
     assert line.startswith("ingest       batch     0  rows     1,000")
-    assert report.lines(runs, {}) == [], "the same batch again"
+    assert report.lines(runs) == [], "the same batch again"
 
     events.progressed(_progress(1, 0))
-    assert report.lines(runs, {}) == [], "a batch without data"
+    assert report.lines(runs) == [], "a batch without data"
 
     events.progressed(_progress(2, 500))
-    (line,) = report.lines(runs, {})
+    (line,) = report.lines(runs)
     assert "batch     2  rows       500" in line
 
 
@@ -50,28 +50,28 @@ def test_a_batch_followed_by_one_without_data_is_still_reported() -> None:
     report = ProgressReport(events)
     runs = {"alerts": "run-1"}
     events.progressed(_progress(0, 300))
-    assert len(report.lines(runs, {})) == 1
+    assert len(report.lines(runs)) == 1
 
     # Between two reports: a batch with rows, then the no-data batch a stateful query runs after it.
     events.progressed(_progress(1, 200))
     events.progressed(_progress(2, 0))
-    (line,) = report.lines(runs, {})
+    (line,) = report.lines(runs)
     assert "batch     1  rows       200" in line
     events.progressed(_progress(3, 0))
-    assert report.lines(runs, {}) == [], "batch 1 was shown already"
+    assert report.lines(runs) == [], "batch 1 was shown already"
 
 
-def test_a_restarted_query_is_reported_again_and_rows_are_counted_once_per_source_read() -> None:
+def test_a_restarted_query_is_reported_again() -> None:
     events = QueryEvents()
     report = ProgressReport(events)
     events.progressed(_progress(3, 800))
-    (line,) = report.lines({"device_windows": "run-1"}, {"device_windows": 2})
-    assert "rows       400" in line
+    (line,) = report.lines({"device_windows": "run-1"})
+    assert "rows       800" in line
 
     restarted = {"device_windows": "run-2"}
-    assert report.lines(restarted, {"device_windows": 2}) == ["device_windows starting"]
+    assert report.lines(restarted) == ["device_windows starting"]
     events.progressed(_progress(3, 800, run="run-2"))  # the same batch id, replayed by the new run
-    assert len(report.lines(restarted, {"device_windows": 2})) == 1
+    assert len(report.lines(restarted)) == 1
 
 
 def test_query_events_keep_each_run_apart() -> None:

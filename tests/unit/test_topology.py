@@ -115,25 +115,17 @@ def test_checkpoints_holding_state_of_an_earlier_version_are_found(tmp_path: Pat
     assert outdated_checkpoints(settings) == []
 
 
-def _v1_operator_metadata(checkpoint: Path, operator: str) -> None:
-    """What Spark 4.2 writes for a stateful operator other than transformWithState (``state/0/_metadata/metadata``)."""
-    info = {"operatorId": 0, "operatorName": operator}
-    metadata = {"operatorInfo": info, "stateStoreInfo": [{"storeName": "default", "numPartitions": 2}]}
-    folder = checkpoint / "state" / "0" / "_metadata"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "metadata").write_text("v1\n" + json.dumps(metadata))
-
-
-def test_an_ingest_checkpoint_deduplicating_as_an_earlier_version_did_is_found(tmp_path: Path) -> None:
+def test_an_ingest_checkpoint_of_an_earlier_version_is_not_outdated(tmp_path: Path) -> None:
+    """Earlier versions deduplicated in the plan's state (``dropDuplicates``, before it
+    ``dropDuplicatesWithinWatermark``); the plan now keeps none, and reads no state a checkpoint holds."""
     settings = Settings(home=tmp_path)
-    checkpoint = Path(settings.checkpoint_path(INGEST))
-    _v1_operator_metadata(checkpoint, "dedupe")
-    assert outdated_checkpoints(settings) == []
-    # dropDuplicatesWithinWatermark kept each key a watermark longer, in a state of another layout
-    _v1_operator_metadata(checkpoint, "dedupeWithinWatermark")
-    assert outdated_checkpoints(settings) == [INGEST]
-    with pytest.raises(ConfigError, match=r"kept differently \(ingest\).*`iotmon reset`, which keeps Kafka's data"):
-        run_stream(settings, threading.Event())  # before it touches Kafka or Spark
+    for operator in ("dedupe", "dedupeWithinWatermark"):
+        info = {"operatorId": 0, "operatorName": operator}
+        metadata = {"operatorInfo": info, "stateStoreInfo": [{"storeName": "default", "numPartitions": 2}]}
+        folder = Path(settings.checkpoint_path(INGEST)) / "state" / "0" / "_metadata"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metadata").write_text("v1\n" + json.dumps(metadata))
+        assert outdated_checkpoints(settings) == []
 
 
 def _offsets(checkpoint: Path, batch: int, *table_ids: str) -> None:
@@ -212,7 +204,6 @@ def test_the_ingest_query_starts_a_batch_once_enough_records_wait_or_its_interva
     assert early.trigger == {"processingTime": "1000 milliseconds"}
     # Half a poll short of the interval, so that the poll ending the interval starts the batch.
     assert early.options == {"minOffsetsPerTrigger": "10000", "maxTriggerDelay": "4500ms"}
-    assert early.conf == {"spark.sql.streaming.noDataMicroBatches.enabled": "false"}
     fewer = Settings.from_env({"IOTMON_INGEST_BATCH_RECORDS": "300", "IOTMON_TRIGGER_INTERVAL": "1 minute"})
     assert early_batches({"processingTime": fewer.trigger_interval}, fewer).options == {
         "minOffsetsPerTrigger": "300",
