@@ -336,5 +336,8 @@ def start_late_arrivals(spark: SparkSession, settings: Settings, trigger: Trigge
     )
 
 
-INGEST_QUERY = QuerySpec(INGEST, start_ingest)
+INGEST_QUERY = QuerySpec(INGEST, start_ingest, state_operators=())
+"""Its plan keeps no state. Versions before 2026-12-07 deduplicated in Spark's state (``dropDuplicates``, earlier
+``dropDuplicatesWithinWatermark``), in a plan that read Kafka twice: their checkpoints record the operator, and
+name two sources, which Spark refuses to continue with one."""
 LATE_ARRIVALS_QUERY = QuerySpec(LATE_ARRIVALS, start_late_arrivals)

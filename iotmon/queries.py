@@ -61,6 +61,10 @@ class QuerySpec:
     state_variables: tuple[str, ...] = ()
     """The state variables of its ``transformWithState`` operator, which its checkpoint records: a checkpoint
     recording others holds state of an earlier version (``recorded_state_variables``)."""
+    state_operators: tuple[str, ...] | None = None
+    """Spark's names of its stateful operators (``()``: none), which its checkpoint records, for a query whose plan
+    an earlier version built otherwise: a checkpoint recording others is that version's, which Spark cannot
+    continue (``recorded_state_operators``). None: not checked."""
 
     def waiting_for(self, spark: SparkSession, settings: Settings) -> str | None:
         return self.ready(spark, settings) if self.ready is not None else None
@@ -82,6 +86,20 @@ def recorded_state_variables(checkpoint: Path) -> set[str] | None:
         except (ValueError, KeyError, TypeError):
             continue  # not a transformWithState operator's, or not Spark 4's format: nothing to tell
         names = (names or set()) | recorded
+    return names
+
+
+def recorded_state_operators(checkpoint: Path) -> set[str] | None:
+    """Spark's names of the stateful operators a query's local checkpoint recorded (``state/<n>/_metadata/metadata``:
+    a version line, then the JSON; ``transformWithState`` writes its own format instead); None without any."""
+    names: set[str] | None = None
+    for path in checkpoint.glob("state/*/_metadata/metadata"):
+        try:
+            _, metadata = path.read_text().split("\n", 1)
+            name = json.loads(metadata)["operatorInfo"]["operatorName"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written, or not Spark 4's format: nothing to tell
+        names = (names or set()) | {str(name)}
     return names
 
 

@@ -64,8 +64,8 @@ def run_stream(
             "anew), or start over with `iotmon reset`"
         )
         raise ConfigError(
-            f"{settings.checkpoint_root} holds state an earlier version kept differently ({', '.join(outdated)}), "
-            f"which Spark cannot read. {remedy}"
+            f"{settings.checkpoint_root} holds checkpoints an earlier version planned otherwise "
+            f"({', '.join(outdated)}), which Spark cannot continue. {remedy}"
         )
     if moved := moved_sources(settings):
         raise ConfigError(

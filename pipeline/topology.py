@@ -4,7 +4,7 @@ One declaration, used by ``iotmon stream`` (which queries to start, with which t
 --until-idle`` and the backfill (which queries to drain or reset, in order), the bench (what each query
 reads, to tell when it has caught up) and the docs' picture (docs/topology.md)::
 
-    Kafka ──ingest──▶ bronze, quarantine, silver   (parse, registry join, state-store dedup within the watermark)
+    Kafka ──ingest──▶ bronze, quarantine, silver   (parse, registry join, dedup within the watermark on the driver)
                └────▶ too_late_readings ──late_arrivals──▶ silver   (readings later than the watermark, looked up)
     silver ──device_windows──▶ device_windows, site_windows, device_sessions
            ├─device_windows_live──▶ device_windows_live
@@ -29,6 +29,7 @@ from iotmon.preflight import local_directory
 from iotmon.queries import (
     QuerySpec,
     Trigger,
+    recorded_state_operators,
     recorded_state_variables,
     streamed_table_ids,
 )
@@ -103,8 +104,8 @@ TOPOLOGY: tuple[Node, ...] = (
         INGEST_QUERY,
         reads=(KAFKA, DEVICES),
         writes=(BRONZE, QUARANTINE, SILVER, TOO_LATE_READINGS),
-        purpose="every record once into bronze; each distinct reading once into silver (state-store "
-        "deduplication), enriched; what failed parsing or names an unregistered device quarantined with the reason; "
+        purpose="every record once into bronze; each distinct reading once into silver (deduplicated on the "
+        "driver), enriched; what failed parsing or names an unregistered device quarantined with the reason; "
         "readings later than the watermark handed on",
         budget=Budget.ARRIVAL,
         weight=4,
@@ -173,9 +174,9 @@ def retired_checkpoints(settings: Settings) -> list[str]:
 
 
 def outdated_checkpoints(settings: Settings) -> list[str]:
-    """The queries whose local checkpoints hold operator state of an earlier version: other state variables than
-    the query declares (``QuerySpec.state_variables``). Spark would fail such a query at its first batch, and
-    again at every restart."""
+    """The queries whose local checkpoints an earlier version planned otherwise: other stateful operators, or
+    other state variables, than the query declares (``QuerySpec.state_operators``, ``state_variables``). Spark
+    would fail such a query at its first batch, and again at every restart."""
     root = local_directory(settings.checkpoint_root)
     if root is None:
         return []
@@ -183,7 +184,10 @@ def outdated_checkpoints(settings: Settings) -> list[str]:
     for n in TOPOLOGY:
         query, checkpoint = n.query, root / n.name
         variables = recorded_state_variables(checkpoint) if query.state_variables else None
-        if variables is not None and variables != set(query.state_variables):
+        operators = recorded_state_operators(checkpoint) if query.state_operators is not None else None
+        if (variables is not None and variables != set(query.state_variables)) or (
+            operators is not None and operators != set(query.state_operators or ())
+        ):
             outdated.append(n.name)
     return outdated
 

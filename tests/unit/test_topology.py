@@ -115,17 +115,22 @@ def test_checkpoints_holding_state_of_an_earlier_version_are_found(tmp_path: Pat
     assert outdated_checkpoints(settings) == []
 
 
-def test_an_ingest_checkpoint_of_an_earlier_version_is_not_outdated(tmp_path: Path) -> None:
+def test_an_ingest_checkpoint_of_an_earlier_version_is_found(tmp_path: Path) -> None:
     """Earlier versions deduplicated in the plan's state (``dropDuplicates``, before it
-    ``dropDuplicatesWithinWatermark``); the plan now keeps none, and reads no state a checkpoint holds."""
+    ``dropDuplicatesWithinWatermark``), reading Kafka twice; the plan now keeps none and reads it once."""
     settings = Settings(home=tmp_path)
+    checkpoint = Path(settings.checkpoint_path(INGEST))
+    (checkpoint / "offsets").mkdir(parents=True)
+    assert outdated_checkpoints(settings) == []
     for operator in ("dedupe", "dedupeWithinWatermark"):
         info = {"operatorId": 0, "operatorName": operator}
         metadata = {"operatorInfo": info, "stateStoreInfo": [{"storeName": "default", "numPartitions": 2}]}
-        folder = Path(settings.checkpoint_path(INGEST)) / "state" / "0" / "_metadata"
+        folder = checkpoint / "state" / "0" / "_metadata"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "metadata").write_text("v1\n" + json.dumps(metadata))
-        assert outdated_checkpoints(settings) == []
+        assert outdated_checkpoints(settings) == [INGEST]
+    with pytest.raises(ConfigError, match=r"planned otherwise \(ingest\).*`iotmon reset`, which keeps Kafka's data"):
+        run_stream(settings, threading.Event())  # before it touches Kafka or Spark
 
 
 def _offsets(checkpoint: Path, batch: int, *table_ids: str) -> None:
@@ -162,7 +167,7 @@ def test_a_stream_refuses_to_start_on_a_checkpoint_of_another_table(tmp_path: Pa
 def test_a_stream_refuses_to_start_on_state_of_an_earlier_version(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path)
     _operator_metadata(Path(settings.checkpoint_path(DEVICE_STATUS)), 3, "device")
-    with pytest.raises(ConfigError, match=r"state an earlier version kept differently \(device_status\).*backfill"):
+    with pytest.raises(ConfigError, match=r"planned otherwise \(device_status\).*backfill"):
         run_stream(settings, threading.Event())  # before it touches Kafka or Spark
 
 
