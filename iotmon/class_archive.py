@@ -147,8 +147,7 @@ def _workload(scratch: Path) -> None:
 
     stream = spark.readStream.format("delta").load(source).withWatermark("event_time", "30 seconds")
     queries = [
-        stream.dropDuplicates(["device_id", "event_time"])  # as the ingest query deduplicates
-        .writeStream.foreachBatch(upsert)
+        stream.writeStream.foreachBatch(upsert)
         .option("checkpointLocation", str(scratch / "checkpoints" / "latest"))
         .trigger(availableNow=True)
         .start(),

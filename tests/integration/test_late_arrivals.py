@@ -94,8 +94,8 @@ def test_each_reading_later_than_the_watermark_lands_in_silver_once(spark: Spark
     append_once(silver_frame(spark, [earlier]), isolated.table_path(SILVER), ledger_for("an-earlier-writer"), 0)
     sends = [
         ("dev-a", 1, 0, TOO_LATE_S),  # silver holds it already
-        ("dev-a", 2, 60, 0.5),  # first seen by the state ...
-        ("dev-a", 2, 60, TOO_LATE_S),  # ... and a copy too late for the state, in the same batch
+        ("dev-a", 2, 60, 0.5),  # new to the ingest writer's keys ...
+        ("dev-a", 2, 60, TOO_LATE_S),  # ... and a copy too late for them, in the same batch
         ("dev-a", 3, 120, TOO_LATE_S + 100),  # two too-late copies of a reading silver lacks: the first wins
         ("dev-a", 3, 120, TOO_LATE_S),
         ("dev-a", 4, 180, 5.0),  # late, within the watermark
@@ -153,7 +153,7 @@ def test_a_lookup_the_other_writers_commit_made_stale_is_done_again(
     if writer == "late_arrivals":
         landing.write_late_arrivals(isolated, ledger_for("test-writer"))(looked_up, 0)
     else:
-        new = silver_frame(spark, [silver_row("dev-b", 1, 1)]).toArrow()  # first seen by the state: no lookup
+        new = silver_frame(spark, [silver_row("dev-b", 1, 1)]).toArrow()  # new to the writer's keys: no lookup
         landing.append_to_silver(isolated, ledger_for("test-writer"), 0, new, looked_up.toArrow(), spark)
     other.join(60)
 
