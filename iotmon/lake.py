@@ -545,13 +545,12 @@ def absent(rows: pa.Table, path: str, keys: Sequence[str], version: int) -> pa.T
     overlapping = _overlapping(table, ranges)
     if not overlapping:
         return rows
-    files, root = table_files(table)
     within = None
     for key, (least, most) in ranges.items():
         kind = schema.field(key).type
         bounds = (ds.field(key) >= pa.scalar(least, kind)) & (ds.field(key) <= pa.scalar(most, kind))
         within = bounds if within is None else within & bounds
-    stored = ds.dataset([f"{root}/{unquote(file)}" for file, _ in overlapping], schema=schema, filesystem=files)
+    stored = _data_files(table, schema, [file for file, _ in overlapping])
     held = stored.to_table(columns=list(keys), filter=within).cast(sought.schema)
     return rows.join(held, list(keys), join_type="left anti").select(rows.column_names)
 
@@ -570,9 +569,14 @@ def keys_after(path: str, keys: Sequence[str], time_column: str, after: datetime
         paths = [file for file, out in zip(paths, gone, strict=True) if not out]
     if not paths:
         return schema.empty_table().select(list(keys))
-    files, root = table_files(table)
-    stored = ds.dataset([f"{root}/{unquote(file)}" for file in paths], schema=schema, filesystem=files)
+    stored = _data_files(table, schema, paths)
     return stored.to_table(columns=list(keys), filter=None if bound is None else ds.field(time_column) > bound)
+
+
+def _data_files(table: RustDeltaTable, schema: pa.Schema, paths: Sequence[str]) -> ds.Dataset:
+    """Some of a delta-rs table's data files (paths as its log has them) as one pyarrow dataset of ``schema``."""
+    files, root = table_files(table)
+    return ds.dataset([f"{root}/{unquote(file)}" for file in paths], schema=schema, filesystem=files)
 
 
 def _floor_ms(value: Any) -> Any:
