@@ -1,7 +1,8 @@
 """Kafka records -> bronze rows: every record kept, parsed where it can be, with the reason where not.
 
 Pure ``DataFrame -> DataFrame`` functions; the same code runs on a streaming read of Kafka and on a
-batch read (tests, backfills).
+batch read (tests, backfills). One rule has a second form for rows already on the driver: ``quarantined`` is
+``quarantine_rows`` over Arrow, for the ingest query's batch (tested equal).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import reduce
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType
@@ -19,6 +22,7 @@ from iotmon.schema import (
     EVENT_TIME,
     METRIC_NAMES,
     PARSE_ERROR,
+    QUARANTINE_SCHEMA,
     RAW_PAYLOAD_SCHEMA,
     READING_COLUMNS,
     SEQ,
@@ -181,3 +185,15 @@ def quarantine_rows(bronze: DataFrame) -> DataFrame:
         F.col(PARSE_ERROR).alias("reason"),
         "ingest_time",
     )
+
+
+def quarantined(bronze: pa.Table) -> pa.Table:
+    """``quarantine_rows`` for bronze rows on the driver as Arrow (the ingest query's micro-batch)."""
+    failed = bronze.filter(pc.is_valid(bronze[PARSE_ERROR]))
+    return quarantine_table(failed, BRONZE_STAGE, failed[PARSE_ERROR])
+
+
+def quarantine_table(rows: pa.Table, stage: str, reason: pa.ChunkedArray) -> pa.Table:
+    """Rows on the driver as ``QUARANTINE_SCHEMA``'s columns, each with the stage that rejected it and why."""
+    given = {"stage": pa.repeat(pa.scalar(stage, reason.type), rows.num_rows), "reason": reason}
+    return pa.table({name: given[name] if name in given else rows[name] for name in QUARANTINE_SCHEMA.fieldNames()})

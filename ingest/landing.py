@@ -38,15 +38,16 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from ingest.bronze import PayloadRules, parse_records, quarantine_rows
+from ingest.bronze import PayloadRules, parse_records, quarantined
 from ingest.seen import SeenReadings
 from ingest.silver import (
     READING_KEY,
+    REJECT_REASON,
     LatenessRules,
     accepted,
     classify_records,
     first_copies,
-    rejected_rows,
+    rejected,
 )
 from iotmon.config import Settings, interval_seconds
 from iotmon.kafka import spark_kafka_options
@@ -55,9 +56,7 @@ from iotmon.lake import (
     StaleRead,
     absent,
     append_once,
-    collected,
     create_table,
-    held,
     keys_after,
     planned_watermark,
     table_version,
@@ -80,9 +79,11 @@ from iotmon.schema import (
     TOO_LATE_READINGS,
 )
 
-_RECORDS = "records"
-_RECORD_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys([*BRONZE_SCHEMA.fieldNames(), *SILVER_SCHEMA.fieldNames()]))
-"""What the ingest writer collects of each record: bronze's row, and silver's for a reading."""
+_RECORD_COLUMNS: tuple[str, ...] = tuple(
+    dict.fromkeys([*BRONZE_SCHEMA.fieldNames(), *SILVER_SCHEMA.fieldNames(), REJECT_REASON])
+)
+"""What the ingest writer collects of each record: bronze's row, silver's for a reading, and why silver rejects
+it."""
 _RECENT_TIME = "_recent_event_time"
 """The event time of a record that is a reading the ingest query lands itself (accepted, not too late), else
 null: the watermark's column."""
@@ -193,9 +194,12 @@ class IngestWriter:
     readings into silver, its too-late ones into ``too_late_readings``; each table skipped if it already holds
     the batch.
 
-    One Spark action over the held batch (``iotmon.lake.collected``) brings the driver the classified records
-    (bronze's columns and silver's, and whether each is a reading this query lands or hands on) and the
-    rejects. The too-late readings go as they are to ``too_late_readings``. Silver's new readings are picked from
+    One Spark action brings the driver the batch's classified records: bronze's columns and silver's, why silver
+    rejects a reading, and whether each is a reading this query lands or hands on. The plan has one branch, so
+    the batch is collected as it is computed, without holding it for several frames first (docs/cost-model.md,
+    "The batch collected once"). Quarantine's rows are picked from the records in Arrow
+    (``ingest.bronze.quarantined``, ``ingest.silver.rejected``); the too-late readings go as they are to
+    ``too_late_readings``. Silver's new readings are picked from
     the rest in Arrow, one copy of each reading (``ingest.silver.first_copies``: a sort of the batch's rows on the
     driver where Spark would shuffle and sort them in stages of tasks of their own; docs/cost-model.md, "Silver's
     readings picked on the driver"):
@@ -216,18 +220,12 @@ class IngestWriter:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         spark, table = batch.sparkSession, self.settings.table_path
-        with held(batch) as rows:
-            too_late = accepted() & (F.col(LATENESS) == TOO_LATE)
-            out = collected(
-                {
-                    _RECORDS: rows.select(*_RECORD_COLUMNS, _RECENT_TIME, too_late.alias(_TOO_LATE)),
-                    QUARANTINE: quarantine_rows(rows).unionByName(rejected_rows(rows)),
-                }
-            )
-        records = out[_RECORDS]
+        handed_on = accepted() & (F.col(LATENESS) == TOO_LATE)
+        records = batch.select(*_RECORD_COLUMNS, _RECENT_TIME, handed_on.alias(_TOO_LATE)).toArrow()
         append_once(records.select(BRONZE_SCHEMA.fieldNames()), table(BRONZE), self.ledger, batch_id, spark)
-        if out[QUARANTINE].num_rows:
-            append_once(out[QUARANTINE], table(QUARANTINE), self.ledger, batch_id, spark)
+        quarantine = pa.concat_tables([quarantined(records), rejected(records)])
+        if quarantine.num_rows:
+            append_once(quarantine, table(QUARANTINE), self.ledger, batch_id, spark)
         too_late = records.filter(records[_TOO_LATE]).select(SILVER_SCHEMA.fieldNames())
         if too_late.num_rows:
             append_once(too_late, table(TOO_LATE_READINGS), self.ledger, batch_id, spark)

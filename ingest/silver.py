@@ -2,8 +2,8 @@
 
 Pure ``DataFrame -> DataFrame`` functions, run on each micro-batch of Kafka records by the ingest query
 (``ingest.landing``) and on a bronze snapshot by ``iotmon backfill`` and ``iotmon verify``, so all produce the
-same rows. One rule has a second form for rows already on the driver: ``first_copies`` is
-``distinct_readings`` over Arrow, for the ingest query's batch (tested equal).
+same rows. Two rules have a second form for rows already on the driver, for the ingest query's batch (tested
+equal): ``first_copies`` is ``distinct_readings`` over Arrow, and ``rejected`` is ``rejected_rows``.
 
 * **Enrichment** is a join with the device registry: in the stream a stream-static join, re-read at every
   micro-batch, so a device registered later is recognised from then on. A reading of an unregistered
@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
+from ingest.bronze import quarantine_table
 from iotmon.config import Settings, interval_seconds
 from iotmon.schema import (
     DEVICE_ID,
@@ -50,7 +51,8 @@ UNREGISTERED_DEVICE = "unregistered_device"
 READING_KEY: tuple[str, ...] = (DEVICE_ID, SEQ, EVENT_TIME)
 """What makes two rows the same reading. ``seq`` alone would merge readings across a device's counter reset."""
 
-_REJECT = "_reject_reason"
+REJECT_REASON = "_reject_reason"
+"""The column of a classified row that says why silver rejects it; null for a reading it takes."""
 _COPY_ORDER: tuple[str, ...] = ("kafka_timestamp", "partition", "offset")
 """Which copy of a reading is first: the one that reached Kafka first, ties broken by where it lies."""
 
@@ -90,7 +92,7 @@ def classify_records(bronze: DataFrame, devices: DataFrame, rules: LatenessRules
         .withColumn("out_of_range", _out_of_range())
         .withColumn("arrival_delay_s", delay_s)
         .withColumn(LATENESS, lateness(F.col("arrival_delay_s"), rules))
-        .withColumn(_REJECT, F.when(parsed & F.col("device_type").isNull(), F.lit(UNREGISTERED_DEVICE)))
+        .withColumn(REJECT_REASON, F.when(parsed & F.col("device_type").isNull(), F.lit(UNREGISTERED_DEVICE)))
     )
 
 
@@ -104,7 +106,7 @@ def classify_readings(bronze: DataFrame, devices: DataFrame, rules: LatenessRule
 
 def accepted() -> Column:
     """Whether a classified row is a reading silver takes: parsed, and not rejected here."""
-    return F.col(_REJECT).isNull() & F.col(PARSE_ERROR).isNull()
+    return F.col(REJECT_REASON).isNull() & F.col(PARSE_ERROR).isNull()
 
 
 def silver_rows(classified: DataFrame) -> DataFrame:
@@ -114,10 +116,16 @@ def silver_rows(classified: DataFrame) -> DataFrame:
 
 def rejected_rows(classified: DataFrame) -> DataFrame:
     """Rejected readings as rows of ``QUARANTINE_SCHEMA``, stage ``silver``."""
-    columns = {"stage": F.lit(SILVER_STAGE), "reason": F.col(_REJECT)}
-    return classified.where(F.col(_REJECT).isNotNull()).select(
+    columns = {"stage": F.lit(SILVER_STAGE), "reason": F.col(REJECT_REASON)}
+    return classified.where(F.col(REJECT_REASON).isNotNull()).select(
         *[columns.get(name, F.col(name)).alias(name) for name in QUARANTINE_SCHEMA.fieldNames()]
     )
+
+
+def rejected(classified: pa.Table) -> pa.Table:
+    """``rejected_rows`` for classified rows on the driver as Arrow (the ingest query's micro-batch)."""
+    rejects = classified.filter(pc.is_valid(classified[REJECT_REASON]))
+    return quarantine_table(rejects, SILVER_STAGE, rejects[REJECT_REASON])
 
 
 def distinct_readings(readings: DataFrame) -> DataFrame:

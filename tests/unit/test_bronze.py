@@ -7,7 +7,7 @@ import datetime as dt
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 
-from ingest.bronze import PayloadRules, parse_records, quarantine_rows
+from ingest.bronze import PayloadRules, parse_records, quarantine_rows, quarantined
 from iotmon.schema import BRONZE_SCHEMA, QUARANTINE_SCHEMA
 from iotmon.spark import HOTSPOT_HUGE_METHOD_BYTES
 
@@ -120,3 +120,15 @@ def test_quarantine_is_exactly_the_bad_records(spark: SparkSession) -> None:
         ("bronze", 1, "invalid_json", bytearray(b"{")),
         ("bronze", 3, "empty_payload", bytearray(b"")),
     ]
+
+
+def test_quarantined_on_the_driver_are_the_quarantine_rows(spark: SparkSession, parsed_bad_records: list) -> None:
+    """The ingest writer's Arrow form of the rule quarantines the same records, with the same columns."""
+    payloads = [GOOD, *(payload for payload, _ in BAD_RECORDS), GOOD]
+    bronze = parse_records(_kafka_frame(spark, payloads), RULES).localCheckpoint()  # one ingest_time for both
+    by_spark = quarantine_rows(bronze).toArrow().sort_by("offset")
+    by_arrow = quarantined(bronze.toArrow().take(list(reversed(range(len(payloads)))))).sort_by("offset")
+    assert [(f.name, f.type) for f in by_arrow.schema] == [(f.name, f.type) for f in by_spark.schema]
+    assert by_arrow.to_pylist() == by_spark.to_pylist()
+    assert by_arrow["offset"].to_pylist() == list(range(1, len(BAD_RECORDS) + 1))
+    assert quarantined(bronze.limit(0).toArrow()).num_rows == 0

@@ -9,8 +9,10 @@ from pyspark.sql import DataFrame, SparkSession
 from ingest.silver import (
     LatenessRules,
     classify_readings,
+    classify_records,
     distinct_readings,
     first_copies,
+    rejected,
     rejected_rows,
     silver_from_bronze,
     silver_rows,
@@ -74,6 +76,29 @@ def test_unregistered_devices_are_rejected_with_their_record(spark: SparkSession
     assert [(f.name, f.dataType) for f in rejects.schema] == [(f.name, f.dataType) for f in QUARANTINE_SCHEMA]
     assert [(r.stage, r.partition, r.offset, r.key, r.reason) for r in rejects.collect()] == [
         ("silver", 2, 5, "dev-9", "unregistered_device")
+    ]
+
+
+def test_rejected_on_the_driver_are_the_rejected_rows(spark: SparkSession) -> None:
+    """The ingest writer's Arrow form of the rule rejects the same readings, with the same columns; a record that
+    failed parsing is bronze's to quarantine, not silver's."""
+    bronze = _bronze(
+        spark,
+        [
+            (0, 0, "dev-1", 1, 0, 0.0, HEALTHY, None),
+            (2, 5, "dev-9", 1, 0, 0.0, HEALTHY, None),
+            (1, 1, None, None, 0, 0.0, HEALTHY, "invalid_json"),
+            (2, 7, "dev-8", 4, 0, 0.0, HEALTHY, None),
+        ],
+    )
+    classified = classify_records(bronze, _devices(spark), RULES)
+    by_spark = rejected_rows(classified).toArrow().sort_by("offset")
+    by_arrow = rejected(classified.toArrow()).sort_by("offset")
+    assert [(f.name, f.type) for f in by_arrow.schema] == [(f.name, f.type) for f in by_spark.schema]
+    assert by_arrow.to_pylist() == by_spark.to_pylist()
+    assert [(r["key"], r["reason"]) for r in by_arrow.to_pylist()] == [
+        ("dev-9", "unregistered_device"),
+        ("dev-8", "unregistered_device"),
     ]
 
 
