@@ -199,10 +199,9 @@ class IngestWriter:
     the batch is collected as it is computed, without holding it for several frames first (docs/cost-model.md,
     "The batch collected once"). Quarantine's rows are picked from the records in Arrow
     (``ingest.bronze.quarantined``, ``ingest.silver.rejected``); the too-late readings go as they are to
-    ``too_late_readings``. Silver's new readings are picked from
-    the rest in Arrow, one copy of each reading (``ingest.silver.first_copies``: a sort of the batch's rows on the
-    driver where Spark would shuffle and sort them in stages of tasks of their own; docs/cost-model.md, "Silver's
-    readings picked on the driver"):
+    ``too_late_readings``. Silver's new readings are picked from the rest in Arrow, one copy of each reading
+    (``ingest.silver.first_copies``: a sort of the batch's rows on the driver where Spark would shuffle and sort
+    them in stages of tasks of their own; docs/cost-model.md, "Silver's readings picked on the driver"):
 
     * those ahead of the batch's watermark whose keys silver does not hold, by the keys this writer landed
       (``ingest.seen.SeenReadings``: read back from silver when the writer starts, and whenever a batch is not

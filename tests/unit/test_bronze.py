@@ -122,7 +122,7 @@ def test_quarantine_is_exactly_the_bad_records(spark: SparkSession) -> None:
     ]
 
 
-def test_quarantined_on_the_driver_are_the_quarantine_rows(spark: SparkSession, parsed_bad_records: list) -> None:
+def test_quarantined_on_the_driver_are_the_quarantine_rows(spark: SparkSession) -> None:
     """The ingest writer's Arrow form of the rule quarantines the same records, with the same columns."""
     payloads = [GOOD, *(payload for payload, _ in BAD_RECORDS), GOOD]
     bronze = parse_records(_kafka_frame(spark, payloads), RULES).localCheckpoint()  # one ingest_time for both
