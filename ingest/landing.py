@@ -57,8 +57,8 @@ from iotmon.lake import (
     absent,
     append_once,
     create_table,
-    keys_after,
     planned_watermark,
+    rows_after,
     table_version,
 )
 from iotmon.queries import QuerySpec, Trigger
@@ -232,7 +232,7 @@ class IngestWriter:
         watermark = planned_watermark(spark, self.checkpoint, batch_id)
         if self.next_batch != batch_id:
             self.seen = SeenReadings()
-            self.seen.add(keys_after(table(SILVER), READING_KEY, EVENT_TIME, watermark))
+            self.seen.add(rows_after(table(SILVER), READING_KEY, EVENT_TIME, watermark))
         ahead, behind = _split(readings, watermark)
         new = ahead.filter(self.seen.unseen(ahead))
         append_to_silver(self.settings, self.ledger, batch_id, new, behind, spark)

@@ -3,7 +3,7 @@
 The ingest query's ``foreachBatch`` has its whole batch on the driver already (``ingest.landing.IngestWriter``), so
 it deduplicates there, against the keys of the readings it landed in silver whose event time the watermark has
 not passed. Silver itself is this state's log: a writer that starts (a restart after a crash included) reads the
-keys back from silver's newest files (``iotmon.lake.keys_after``) instead of from a state store of its own. Spark's
+keys back from silver's newest files (``iotmon.lake.rows_after``) instead of from a state store of its own. Spark's
 ``dropDuplicates`` would read each batch's records a second time in the plan (a union's branches share no scan),
 parse and join them again, shuffle their keys and scan its whole state at every batch to evict
 (docs/cost-model.md, "The deduplication on the driver").

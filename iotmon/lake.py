@@ -555,8 +555,8 @@ def absent(rows: pa.Table, path: str, keys: Sequence[str], version: int) -> pa.T
     return rows.join(held, list(keys), join_type="left anti").select(rows.column_names)
 
 
-def keys_after(path: str, keys: Sequence[str], time_column: str, after: datetime | None) -> pa.Table:
-    """The ``keys`` columns of the rows of the table at ``path`` whose ``time_column`` is after ``after`` (naive
+def rows_after(path: str, columns: Sequence[str], time_column: str, after: datetime | None) -> pa.Table:
+    """The ``columns`` of the rows of the table at ``path`` whose ``time_column`` is after ``after`` (naive
     UTC; every row when None), read on the driver like ``absent``: only the files whose statistics do not rule
     such rows out, the row groups before it skipped."""
     table = RustDeltaTable(path)
@@ -568,9 +568,9 @@ def keys_after(path: str, keys: Sequence[str], time_column: str, after: datetime
         gone = ruled_out(actions, time_column, bound.as_py()).to_pylist()
         paths = [file for file, out in zip(paths, gone, strict=True) if not out]
     if not paths:
-        return schema.empty_table().select(list(keys))
+        return schema.empty_table().select(list(columns))
     stored = _data_files(table, schema, paths)
-    return stored.to_table(columns=list(keys), filter=None if bound is None else ds.field(time_column) > bound)
+    return stored.to_table(columns=list(columns), filter=None if bound is None else ds.field(time_column) > bound)
 
 
 def _data_files(table: RustDeltaTable, schema: pa.Schema, paths: Sequence[str]) -> ds.Dataset:

@@ -11,8 +11,10 @@ windows and offline timers keep moving while the fleet is silent.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -22,11 +24,10 @@ from iotmon.config import Settings, interval_seconds
 from iotmon.lake import (
     BatchLedger,
     append_once,
-    collected,
     create_table,
-    held,
     merge_once,
     planned_watermark,
+    rows_after,
     table_property,
 )
 from iotmon.queries import QuerySpec, Trigger
@@ -49,10 +50,10 @@ from streaming.windows import (
     TUMBLING_COLUMNS,
     WindowSpec,
     device_sessions,
-    site_rollups,
-    sliding_device_windows,
+    site_rollup_rows,
+    sliding_device_window_rows,
     tumbling_device_windows,
-    with_kinds,
+    with_kind_rows,
 )
 
 FINAL_THROUGH = "iotmon.finalThrough"
@@ -110,6 +111,10 @@ class FinalWindowsWriter:
     windows due are those ending between the previous batch's watermark and this one's; their earlier
     tumbling windows were written by earlier batches, and are read back from the table. All of a window's
     devices come out together, so a site roll-up needs only the batch.
+
+    The batch is collected once, and combined on the driver (``combined_rows``): a batch holds a few thousand
+    windows, and a Spark job for each combination cost more than its rows (docs/cost-model.md, "The final
+    windows combined on the driver").
     """
 
     def __init__(self, settings: Settings, after: datetime | None) -> None:
@@ -121,41 +126,47 @@ class FinalWindowsWriter:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         spark = batch.sparkSession
-        with held(batch) as rows:
-            tumbling = rows.where(F.col(_TABLE) == TUMBLING).select(*TUMBLING_COLUMNS)
-            sessions = rows.where(F.col(_TABLE) == DEVICE_SESSIONS).select(*SESSION_COLUMNS)
-            sliding = self.sliding_due(spark, tumbling, batch_id)
-            frames = {
-                DEVICE_WINDOWS: with_kinds(tumbling, sliding),
-                SITE_WINDOWS: site_rollups(tumbling, self.spec),
-                DEVICE_SESSIONS: sessions,
-            }
+        rows = batch.toArrow()  # one Spark job: the batch is read once, so it need not be held
+        tumbling = rows.filter(pc.equal(rows.column(_TABLE), TUMBLING)).select(list(TUMBLING_COLUMNS))
+        sessions = rows.filter(pc.equal(rows.column(_TABLE), DEVICE_SESSIONS)).select(list(SESSION_COLUMNS))
+        frames = {
+            DEVICE_WINDOWS: with_kind_rows(tumbling, self.sliding_due(spark, tumbling, batch_id)),
+            SITE_WINDOWS: site_rollup_rows(tumbling, self.spec),
+            DEVICE_SESSIONS: sessions,
+        }
+        for table, out in frames.items():
             if self.after is not None:
-                frames = {table: f.where(F.col(END_COLUMN[table]) > F.lit(self.after)) for table, f in frames.items()}
-            for table, out in collected(frames).items():
-                if out.num_rows:
-                    append_once(out, self.settings.table_path(table), self.ledger, batch_id, spark)
+                end = out.column(END_COLUMN[table])
+                out = out.filter(pc.greater(end, pa.scalar(self.after.replace(tzinfo=UTC), end.type)))
+            if out.num_rows:
+                append_once(out, self.settings.table_path(table), self.ledger, batch_id, spark)
 
-    def sliding_due(self, spark: SparkSession, tumbling: DataFrame, batch_id: int) -> DataFrame:
+    def sliding_due(self, spark: SparkSession, tumbling: pa.Table, batch_id: int) -> pa.Table:
         """The sliding windows ending between the previous batch's watermark and this batch's."""
         upper = planned_watermark(spark, self.checkpoint, batch_id)
         lower = planned_watermark(spark, self.checkpoint, batch_id - 1) if batch_id > 0 else None
         if upper is None or upper == lower:
-            return sliding_device_windows(tumbling.limit(0), self.spec)
-        written = (
-            spark.read.format("delta")
-            .load(self.settings.table_path(DEVICE_WINDOWS))
-            .where(F.col("window_kind") == TUMBLING)
-            .select(*TUMBLING_COLUMNS)
-            .join(tumbling.select(DEVICE_ID, "window_start"), [DEVICE_ID, "window_start"], "left_anti")
-        )
+            return sliding_device_window_rows(tumbling.slice(0, 0), self.spec)
+        kind = tumbling.schema.field("window_end").type
+
+        def at(moment: datetime) -> pa.Scalar:
+            return pa.scalar(moment.replace(tzinfo=UTC), kind)
+
+        horizon = None if lower is None else lower - timedelta(seconds=self.sliding_s, microseconds=1)
+        columns = ["window_kind", *TUMBLING_COLUMNS]
+        written = rows_after(self.settings.table_path(DEVICE_WINDOWS), columns, "window_start", horizon)
+        kept = pc.equal(written.column("window_kind"), TUMBLING)
         if lower is not None:
-            horizon = lower - timedelta(seconds=self.sliding_s)
-            written = written.where((F.col("window_end") <= F.lit(lower)) & (F.col("window_start") >= F.lit(horizon)))
-        due = F.col("window_end") <= F.lit(upper)
+            kept = pc.and_(kept, pc.less_equal(written.column("window_end"), at(lower)))
+        written = written.filter(kept).select(list(TUMBLING_COLUMNS)).cast(tumbling.schema)
+        keys = [DEVICE_ID, "window_start"]
+        earlier = written.join(tumbling.select(keys), keys, join_type="left anti")  # a replayed batch's are in both
+        earlier = earlier.select(tumbling.column_names).cast(tumbling.schema)  # a join forgets what is not null
+        sliding = sliding_device_window_rows(pa.concat_tables([tumbling, earlier]), self.spec)
+        due = pc.less_equal(sliding.column("window_end"), at(upper))
         if lower is not None:
-            due = due & (F.col("window_end") > F.lit(lower))
-        return sliding_device_windows(tumbling.unionByName(written), self.spec).where(due)
+            due = pc.and_(due, pc.greater(sliding.column("window_end"), at(lower)))
+        return sliding.filter(due)
 
 
 def start_final_windows(spark: SparkSession, settings: Settings, trigger: Trigger) -> StreamingQuery:

@@ -10,12 +10,19 @@ Readings are aggregated twice only: into per-device tumbling windows, and into s
 and the per-site roll-ups are combined from the tumbling windows' statistics (``combined``): a sliding
 window holds exactly the tumbling windows inside it, a site window its devices' tumbling windows. Each
 reading in five sliding windows and a site window would otherwise be aggregated seven times over.
+
+The combinations have a second form over Arrow rows (``combined_rows``; tested equal): the final windows'
+writer combines a batch's few thousand tumbling windows on the driver, where a Spark job for them would cost
+more than their rows (docs/cost-model.md, "The final windows combined on the driver").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
@@ -183,6 +190,116 @@ def device_windows(readings: DataFrame, spec: WindowSpec) -> DataFrame:
 def site_windows(readings: DataFrame, spec: WindowSpec) -> DataFrame:
     """Per site and device type, tumbling windows; ``devices`` is how many devices reported."""
     return site_rollups(tumbling_device_windows(readings, spec), spec)
+
+
+# --- the same combinations over Arrow rows ---------------------------------------------------------------
+
+
+def _windows_of(rows: pa.Table, length: str, slide: str) -> pa.Table:
+    """``rows`` once for each window of ``length`` every ``slide`` that holds its ``window_start``, with that
+    window's ``window_start`` and ``window_end`` in their place: what ``F.window`` and its grouping do."""
+    length_us, slide_us = (int(interval_seconds(text) * 1_000_000) for text in (length, slide))
+    kind = rows.schema.field("window_start").type
+    starts = pc.cast(rows.column("window_start"), pa.int64()).to_numpy()
+    latest = starts - starts % slide_us
+    index, window = [], []
+    for back in range(-(-length_us // slide_us)):
+        candidate = latest - back * slide_us
+        holds = np.flatnonzero(starts < candidate + length_us)
+        index.append(holds)
+        window.append(candidate[holds])
+    index_all, start = np.concatenate(index), np.concatenate(window)
+    out = rows.drop_columns(["window_start", "window_end"]).take(pa.array(index_all, pa.int64()))
+    return out.add_column(0, "window_end", pa.array(start + length_us, pa.int64()).cast(kind)).add_column(
+        0, "window_start", pa.array(start, pa.int64()).cast(kind)
+    )
+
+
+def _groups(rows: pa.Table, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's group by ``keys`` (0, 1, ...; a null is a value like any other, as in Spark's grouping), and
+    the first row of each group."""
+    group = np.zeros(rows.num_rows, np.int64)
+    for key in keys:
+        codes = pc.dictionary_encode(rows.column(key).combine_chunks(), null_encoding="encode")
+        group = np.unique(
+            group * len(codes.dictionary) + codes.indices.to_numpy(zero_copy_only=False), return_inverse=True
+        )[1]
+    _, first = np.unique(group, return_index=True)
+    return group.astype(np.int64), first
+
+
+def combined_rows(
+    windows: pa.Table, length: str, slide: str, group: tuple[str, ...], carried: tuple[str, ...] = ()
+) -> pa.Table:
+    """``combined`` over Arrow rows of ``STAT_COLUMNS``: the windows of ``length`` every ``slide``, from the
+    narrower windows inside them, with the same arithmetic, nulls included (a mean and a spread skip the
+    windows whose mean is null; the spread's second pass takes its group's combined mean)."""
+    keys = ["window_start", "window_end", *group]
+    rows = _windows_of(windows.select([*keys, *carried, *STAT_COLUMNS]), length, slide)
+    index, first = _groups(rows, keys)
+    rows = rows.append_column("_group", pa.array(index))
+    n = pc.cast(rows.column("readings"), pa.float64())
+    for m in METRIC_NAMES:
+        rows = rows.append_column(f"_{m}_weighted", pc.multiply(rows.column(f"{m}_avg"), n))
+    sums = (
+        rows.group_by("_group")
+        .aggregate([("readings", "sum"), *[(f"_{m}_weighted", "sum") for m in METRIC_NAMES]])
+        .sort_by("_group")
+    )
+    total = pc.cast(sums.column("readings_sum"), pa.float64())
+    for m in METRIC_NAMES:
+        mean = pc.take(pc.divide(sums.column(f"_{m}_weighted_sum"), total), index)
+        avg, sd = rows.column(f"{m}_avg"), rows.column(f"{m}_stddev")
+        within = pc.coalesce(pc.multiply(pc.multiply(sd, sd), pc.subtract(n, 1.0)), 0.0)
+        apart = pc.subtract(avg, mean)
+        rows = rows.append_column(f"_{m}_spread", pc.add(within, pc.multiply(n, pc.multiply(apart, apart))))
+    stats = [
+        *[(name, "max") for name in carried],
+        ([], "count_all"),
+        ("readings", "sum"),
+        *[(f"_{m}_weighted", "sum") for m in METRIC_NAMES],
+        *[(f"{m}_min", "min") for m in METRIC_NAMES],
+        *[(f"{m}_max", "max") for m in METRIC_NAMES],
+        *[(f"_{m}_spread", "sum") for m in METRIC_NAMES],
+    ]
+    out = rows.group_by("_group").aggregate(stats).sort_by("_group")
+    readings = out.column("readings_sum")
+    total = pc.cast(readings, pa.float64())
+    firsts = rows.take(pa.array(first))
+    columns = {name: firsts.column(name) for name in keys}
+    columns |= {name: out.column(f"{name}_max") for name in carried}
+    columns |= {"devices": out.column("count_all"), "readings": readings}
+    for m in METRIC_NAMES:
+        spread = pc.sqrt(pc.divide(out.column(f"_{m}_spread_sum"), pc.subtract(total, 1.0)))
+        columns[f"{m}_avg"] = pc.divide(out.column(f"_{m}_weighted_sum"), total)
+        columns[f"{m}_min"] = out.column(f"{m}_min_min")
+        columns[f"{m}_max"] = out.column(f"{m}_max_max")
+        columns[f"{m}_stddev"] = pc.if_else(pc.greater(readings, 1), spread, pa.scalar(None, pa.float64()))
+    return pa.table(columns)
+
+
+def sliding_device_window_rows(tumbling: pa.Table, spec: WindowSpec) -> pa.Table:
+    """``sliding_device_windows`` over Arrow rows of ``tumbling_device_windows``."""
+    return combined_rows(tumbling, spec.sliding_window, spec.slide, (DEVICE_ID,), DEVICE_ATTRIBUTES).drop_columns(
+        ["devices"]
+    )
+
+
+def site_rollup_rows(tumbling: pa.Table, spec: WindowSpec) -> pa.Table:
+    """``site_rollups`` over Arrow rows of ``tumbling_device_windows``."""
+    return combined_rows(tumbling, spec.window, spec.window, ("site", "device_type"))
+
+
+def with_kind_rows(tumbling: pa.Table, sliding: pa.Table) -> pa.Table:
+    """``with_kinds`` over Arrow rows: the ``device_windows`` table's rows."""
+    schema = tumbling.select(list(TUMBLING_COLUMNS)).schema
+    parts = [
+        rows.select(list(TUMBLING_COLUMNS))
+        .cast(schema)
+        .add_column(0, "window_kind", pa.array([kind] * rows.num_rows, pa.string()))
+        for kind, rows in ((TUMBLING, tumbling), (SLIDING, sliding))
+    ]
+    return pa.concat_tables(parts)
 
 
 def device_sessions(readings: DataFrame, spec: WindowSpec) -> DataFrame:

@@ -17,10 +17,14 @@ from streaming.windows import (
     _windowed,
     device_sessions,
     device_windows,
+    site_rollup_rows,
     site_rollups,
     site_windows,
+    sliding_device_window_rows,
     sliding_device_windows,
     tumbling_device_windows,
+    with_kind_rows,
+    with_kinds,
 )
 
 T0 = dt.datetime(2026, 11, 22, 12, 0, 0)
@@ -156,6 +160,53 @@ def test_windows_combined_from_tumbling_ones_equal_the_readings_aggregated_direc
                 assert (e is None and a is None) or math.isclose(a, e, rel_tol=1e-9, abs_tol=1e-12), (kind, key, column)
     devices = {r.window_start: r.devices for r in derived["site"].where("site = 'site-a'").collect()}
     assert set(devices.values()) == {2}  # dev-1 and dev-2 report in every minute
+
+
+@pytest.mark.parametrize("sliding, slide", [("5 minutes", "1 minute"), ("3 minutes", "2 minutes")])
+def test_the_combinations_over_arrow_rows_are_the_dataframe_ones(spark: SparkSession, sliding: str, slide: str) -> None:
+    """The final windows' writer combines tumbling windows on the driver (``combined_rows``): the same rows, in
+    the same columns and types, as ``combined`` in Spark, to the last bits of the floats' summation order.
+    Null means (a metric no reading of a window had) and single readings (a null spread) included."""
+    rng = np.random.default_rng(5)
+    rows = [
+        (f"dev-{d}", float(s), float(20 + rng.normal(0, 0.5)), "on_time")
+        for d, readings in ((1, 80), (2, 100), (3, 6))  # dev-3's windows hold one reading each, mostly
+        for s in sorted(rng.choice(900, readings, replace=False))
+    ]
+    silent = (F.col("device_id") == "dev-2") & (F.col("event_time") < F.lit(_minute(3)))
+    silver = _silver(spark, rows).withColumn("humidity", F.when(silent, None).otherwise(F.col("humidity")))
+    spec = WindowSpec(window="1 minute", sliding_window=sliding, slide=slide)
+    tumbling = tumbling_device_windows(silver, spec).cache()
+    on_driver = tumbling.toArrow()
+    sliding_rows = sliding_device_window_rows(on_driver, spec)
+    pairs = {
+        ("window_start", "device_id"): (sliding_device_windows(tumbling, spec), sliding_rows),
+        ("window_start", "site", "device_type"): (site_rollups(tumbling, spec), site_rollup_rows(on_driver, spec)),
+        ("window_kind", "window_start", "device_id"): (
+            with_kinds(tumbling, sliding_device_windows(tumbling, spec)),
+            with_kind_rows(on_driver, sliding_rows),
+        ),
+    }
+    for keys, (in_spark, in_arrow) in pairs.items():
+        expected = in_spark.toArrow()
+        assert in_arrow.schema.names == expected.schema.names
+        assert [f.type for f in in_arrow.schema] == [f.type for f in expected.schema]
+        want = {tuple(r[k] for k in keys): r for r in expected.to_pylist()}
+        got = {tuple(r[k] for k in keys): r for r in in_arrow.to_pylist()}
+        assert got.keys() == want.keys() and len(got) >= 20
+        nulls = 0
+        for key, row in want.items():
+            for column, value in row.items():
+                actual = got[key][column]
+                nulls += value is None
+                if isinstance(value, float):
+                    assert actual is not None and math.isclose(actual, value, rel_tol=1e-12, abs_tol=1e-12), (
+                        key,
+                        column,
+                    )
+                else:
+                    assert actual == value, (key, column)
+        assert nulls  # the null means and spreads were compared too
 
 
 def test_sliding_windows_must_be_made_of_whole_tumbling_windows() -> None:
