@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -35,7 +34,6 @@ from deltalake import DeltaTable as RustDeltaTable
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, RemoveAction
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from iotmon.config import Settings
@@ -182,44 +180,6 @@ class BatchLedger:
 def ledger_for(app_id: str) -> BatchLedger:
     """A ledger for a writer with a fixed, fresh app id (none of its commits can predate now)."""
     return BatchLedger(app_id=app_id, not_before_ms=round((time.time() - CLOCK_MARGIN_S) * 1000))
-
-
-@contextmanager
-def held(batch: DataFrame) -> Iterator[DataFrame]:
-    """The micro-batch computed once and kept while a ``foreachBatch`` function writes it out: yields a frame
-    of its rows.
-
-    The function derives a frame per table it writes: without holding the batch each would run the batch's
-    plan again, stateful operators included. Held as a local checkpoint, computed by a task per partition on
-    every core, whose plan is the rows themselves: each frame derived from it is planned over a leaf instead
-    of the whole streaming plan under a cached relation, which Spark analyses and matches against the cache
-    at every action (docs/cost-model.md, "One job per micro-batch"). Released on leaving."""
-    rows = batch.localCheckpoint(eager=True)
-    try:
-        yield rows
-    finally:
-        rows._jdf.logicalPlan().rdd().unpersist(False)  # the checkpoint's blocks; no Python API releases them
-
-
-_FRAME = "_frame"
-"""Column naming the frame each row of a ``collected`` union came from."""
-
-
-def collected(frames: Mapping[str, DataFrame]) -> dict[str, pa.Table]:
-    """Each of ``frames`` (derived from one held micro-batch) as Arrow rows on the driver, by one Spark action.
-
-    A ``foreachBatch`` function writes several tables from its batch, and each Spark action costs a job
-    however few its rows: planning, code generation, scheduling, about 0.09 s of a warm driver for a
-    micro-batch of a few thousand rows (docs/cost-model.md, "One job per micro-batch"). So the frames are
-    unioned by name, each row tagged with its frame's name, collected at once and split again here, each with
-    its own columns in its own order."""
-    names = list(frames)
-    tagged = [frames[name].withColumn(_FRAME, F.lit(name)) for name in names]
-    union = tagged[0]
-    for frame in tagged[1:]:
-        union = union.unionByName(frame, allowMissingColumns=True)
-    rows = union.toArrow()
-    return {name: rows.filter(pc.equal(rows[_FRAME], name)).select(frames[name].columns) for name in names}
 
 
 class StaleRead(Exception):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -12,17 +11,14 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable as RustDeltaTable
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
-from pyspark.sql.types import BooleanType, LongType, StructField, StructType
+from pyspark.sql.types import LongType, StructField, StructType
 
 from iotmon.lake import (
     BatchLedger,
     absent,
     append_once,
     append_rows,
-    collected,
     create_table,
-    held,
     ledger_for,
     merge_once,
     remove_unfinished_creation,
@@ -86,8 +82,7 @@ def test_an_append_is_one_file_so_a_stream_reading_the_table_gets_each_commit_wh
     create_table(spark, str(table), spark.createDataFrame([], "id long, v string").schema, "appended to")
     for batch_id in range(2):
         frame = spark.range(batch_id * 1000, (batch_id + 1) * 1000, numPartitions=4).selectExpr("id", "'x' AS v")
-        with held(frame) as rows:  # computed by 4 tasks, then written by one
-            assert append_once(rows, str(table), ledger, batch_id)
+        assert append_once(frame, str(table), ledger, batch_id)  # computed by 4 tasks, then written by one
     commits = [(table / "_delta_log" / f"{version:020d}.json").read_text().splitlines() for version in (1, 2)]
     assert [sum('"add"' in line for line in commit) for commit in commits] == [1, 1]
     assert len(_rows(spark, table)) == 2000
@@ -239,53 +234,6 @@ def test_each_commit_on_the_driver_has_a_checksum_as_spark_would_write_it(spark:
     checksum_agrees(5)
     assert spark.sql(f"DESCRIBE HISTORY delta.`{table}` LIMIT 1").first().userMetadata is None
     assert _rows(spark, Path(table)) == [(1, "a"), (2, "B"), (3, "c"), (4, "d"), (5, "e"), (6, "f")]
-
-
-def test_the_frames_of_a_batch_are_collected_in_one_spark_job(spark: SparkSession) -> None:
-    """Each table a ``foreachBatch`` function writes is one frame of its batch; all are collected by one action."""
-    batch = spark.range(0, 10, numPartitions=2).selectExpr("id", "id % 3 AS kind", "CAST(id AS STRING) AS label")
-    frames = {
-        "labels": batch.where("kind = 0").select("label", "id"),
-        "ids": batch.where("kind = 1").select("id"),
-        "none": batch.where("id > 99").select("kind"),
-    }
-    group = f"collected-{uuid.uuid4().hex}"
-    spark.sparkContext.setJobGroup(group, "the frames of one batch")
-    try:
-        rows = collected(frames)
-    finally:
-        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
-    assert len(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == 1
-    assert rows["labels"].column_names == ["label", "id"]
-    assert sorted(rows["labels"].to_pylist(), key=lambda r: r["id"]) == [
-        {"label": str(i), "id": i} for i in (0, 3, 6, 9)
-    ]
-    assert sorted(rows["ids"].column("id").to_pylist()) == [1, 4, 7]
-    assert rows["none"].num_rows == 0 and rows["none"].column_names == ["kind"]
-
-
-def test_a_held_batch_is_computed_once_planned_as_its_rows_and_released(spark: SparkSession) -> None:
-    """Writers derive a frame per table from a held batch: none of them runs the batch's plan again."""
-    computed = spark.sparkContext.accumulator(0)
-
-    def count_row(_):  # no type hints: PySpark would read a pandas UDF's kind from them, and warn
-        computed.add(1)
-        return True
-
-    counted = F.udf(count_row, BooleanType()).asNondeterministic()
-    batch = spark.range(0, 100, numPartitions=4).where(counted(F.col("id")))
-    context = spark.sparkContext._jsc.sc()
-
-    def stored() -> set[int]:
-        return {info.id() for info in context.getRDDStorageInfo()}
-
-    before = stored()
-    with held(batch) as rows:
-        assert rows._jdf.logicalPlan().nodeName() == "LogicalRDD"
-        odd, even = rows.where("id % 2 = 1").count(), rows.where("id % 2 = 0").count()
-        assert (odd, even, computed.value) == (50, 50, 100)
-        assert len(stored() - before) == 1
-    assert stored() - before == set()
 
 
 def test_a_lookup_on_the_driver_finds_what_the_table_held_at_its_version(spark: SparkSession, tmp_path: Path) -> None:

@@ -22,9 +22,11 @@ from streaming.device_status import (
     advance,
     apply_readings,
     assess,
+    change_rows,
     changes_of,
     go_offline,
     latest_status,
+    latest_status_rows,
     next_watermark,
     reading_columns,
     significant_readings,
@@ -322,4 +324,10 @@ def test_status_updates_on_a_static_frame(spark: SparkSession, base_settings: Se
             ("dev-b", ONLINE, at(5), at(30), "reporting", "pump", "site-1"),
         ]
     )
+    # The writer picks both from the batch's Arrow rows on the driver: the same rows, columns and types.
+    on_driver = updates.toArrow()
+    for in_spark, in_arrow in ((changes, change_rows(on_driver)), (current, latest_status_rows(on_driver))):
+        expected = in_spark.toArrow()
+        assert [(f.name, f.type) for f in in_arrow.schema] == [(f.name, f.type) for f in expected.schema]
+        assert sorted(in_arrow.to_pylist(), key=repr) == sorted(expected.to_pylist(), key=repr)
     updates.unpersist()
