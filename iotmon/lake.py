@@ -257,6 +257,18 @@ def append_rows(rows: pa.Table, path: str) -> None:
     _commit_file(table, conformed(rows, _arrow_schema(table)), [], None)
 
 
+def newest_per_key(rows: pa.Table, key: str, order: str) -> pa.Table:
+    """Each ``key``'s row of the greatest ``order`` among ``rows`` (a null key is a key like any other): a
+    MERGE's source holds one row per key. Spark's form is a window's ``row_number`` over the batch, a shuffle of
+    its own; a writer that collects its batch anyway picks them on the driver."""
+    newest_first = rows.take(pc.sort_indices(rows, [(order, "descending")]))
+    position = pa.array(range(newest_first.num_rows), pa.int64())
+    first = (
+        newest_first.select([key]).append_column("_position", position).group_by(key).aggregate([("_position", "min")])
+    )
+    return newest_first.take(first.column("_position_min"))
+
+
 def merge_once(
     source: DataFrame | pa.Table,
     path: str,

@@ -43,7 +43,6 @@ from datetime import UTC, datetime
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle, StreamingQuery
@@ -51,7 +50,7 @@ from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValu
 from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType, TimestampType
 
 from iotmon.config import Settings, interval_seconds
-from iotmon.lake import BatchLedger, append_once, create_table, merge_once
+from iotmon.lake import BatchLedger, append_once, create_table, merge_once, newest_per_key
 from iotmon.queries import QuerySpec, Trigger
 from iotmon.schema import (
     DEGRADED,
@@ -692,11 +691,7 @@ def change_rows(updates: pa.Table) -> pa.Table:
 
 def latest_status_rows(updates: pa.Table) -> pa.Table:
     """``latest_status`` over Arrow rows: each device's update of the highest version (tested equal)."""
-    newest_first = updates.take(pc.sort_indices(updates, [(DEVICE_ID, "ascending"), ("version", "descending")]))
-    devices = pc.dictionary_encode(newest_first.column(DEVICE_ID).combine_chunks(), null_encoding="encode")
-    codes = devices.indices.to_numpy(zero_copy_only=False)
-    first = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]]) if len(codes) else np.array([], np.int64)
-    return newest_first.take(pa.array(first, pa.int64())).select(DEVICE_STATUS_SCHEMA.fieldNames())
+    return newest_per_key(updates, DEVICE_ID, "version").select(DEVICE_STATUS_SCHEMA.fieldNames())
 
 
 # -- The query ------------------------------------------------------------------------------------------

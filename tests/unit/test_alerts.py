@@ -7,6 +7,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
 from iotmon.config import Settings
@@ -20,6 +22,7 @@ from streaming.alerts import (
     alert_id,
     alert_updates,
     clear,
+    latest_alert_rows,
     latest_alerts,
 )
 from tests.readings import at, scored_frame, scored_row
@@ -207,6 +210,15 @@ def test_alert_updates_on_a_static_frame(spark: SparkSession, base_settings: Set
         ],
         key=repr,
     )  # fmt: skip
+    # The writer picks them from the batch's Arrow rows on the driver: the same rows, columns and types, also
+    # where an incident has several updates (an earlier version of each, with another status, is added).
+    on_driver = updates.toArrow()
+    earlier = on_driver.set_column(
+        on_driver.schema.get_field_index("version"), "version", pc.subtract(on_driver.column("version"), 1)
+    ).set_column(on_driver.schema.get_field_index("status"), "status", pa.array(["stale"] * on_driver.num_rows))
+    expected, picked = current.toArrow(), latest_alert_rows(pa.concat_tables([earlier, on_driver]))
+    assert [(f.name, f.type) for f in picked.schema] == [(f.name, f.type) for f in expected.schema]
+    assert sorted(picked.to_pylist(), key=repr) == sorted(expected.to_pylist(), key=repr)
     updates.unpersist()
 
 
