@@ -193,7 +193,6 @@ def _phases(
         "trigger_interval": base.trigger_interval,
         "gold_trigger_interval": base.gold_trigger_interval,
         "busy_trigger_interval": base.busy_trigger_interval,
-        "status_busy_trigger_interval": base.status_busy_trigger_interval,
         "busy_rows_per_second": base.busy_rows_per_second,
         "final_trigger_interval": base.final_trigger_interval,
         "max_offsets_per_trigger": base.max_offsets_per_trigger,

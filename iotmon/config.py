@@ -292,14 +292,6 @@ class Settings:
         "more batches, each with its fixed cost, which a calm stream's CPU budget cannot spare, and a shorter wait "
         "for the next one.",
     )
-    status_busy_trigger_interval: str = _setting(
-        "STATUS_BUSY_TRIGGER_INTERVAL",
-        "2 seconds",
-        _parse_interval,
-        "Processing-time trigger of device status while its input is busy: a silent device is due offline within "
-        "IOTMON_OFFLINE_AFTER + 15 s, of which IOTMON_STATUS_LATENESS is the rule's own, so its batches wait less "
-        "than the other gold queries'. A status batch's fixed cost is small beside the ingest batch's.",
-    )
     busy_rows_per_second: int = _setting(
         "BUSY_ROWS_PER_SECOND",
         2_000,

@@ -89,8 +89,6 @@ class Node:
     """How soon what it writes is due: its trigger."""
     weight: int = 1
     """Its fair-scheduler pool's weight: the share of the cores it gets while several queries want them."""
-    busy: str = "busy_trigger_interval"
-    """The setting of its trigger while its input is busy (``Budget.SECONDS`` only: ``trigger_at``)."""
 
     @property
     def name(self) -> str:
@@ -141,7 +139,6 @@ TOPOLOGY: tuple[Node, ...] = (
         purpose="online / degraded / offline per device, with event-time timers",
         budget=Budget.SECONDS,
         weight=2,
-        busy="status_busy_trigger_interval",  # IOTMON_STATUS_LATENESS takes 5 s of its 15
     ),
     Node(
         SCORING_QUERY,
@@ -272,32 +269,28 @@ def trigger_of(settings: Settings) -> Callable[[QuerySpec], Trigger]:
     return trigger
 
 
-def busy_trigger(settings: Settings, n: Node) -> Trigger | None:
-    """Query ``n``'s trigger while its input is busy (``Node.busy``); None when it has none, or when it is no
-    sooner than its calm one (then nothing moves)."""
-    if n.budget is not Budget.SECONDS:
-        return None
-    busy = getattr(settings, n.busy)
-    if interval_seconds(busy) < interval_seconds(n.budget.interval(settings)):
+def busy_trigger(settings: Settings) -> Trigger | None:
+    """The trigger of the queries due within seconds while their input is busy; None when it is no sooner than
+    their calm one (then nothing moves)."""
+    busy = settings.busy_trigger_interval
+    if interval_seconds(busy) < interval_seconds(Budget.SECONDS.interval(settings)):
         return {"processingTime": busy}
     return None
 
 
 def trigger_at(settings: Settings) -> Callable[[QuerySpec, float], Trigger]:
     """Each query's trigger for an input arriving at ``rows_per_second``: the queries due within seconds run
-    on their busy trigger (``IOTMON_BUSY_TRIGGER_INTERVAL``, device status's ``IOTMON_STATUS_BUSY_TRIGGER_INTERVAL``)
-    from ``IOTMON_BUSY_ROWS_PER_SECOND`` on, when that is sooner than their budget's; the others always on their
-    budget's (``trigger_of``).
+    every ``IOTMON_BUSY_TRIGGER_INTERVAL`` from ``IOTMON_BUSY_ROWS_PER_SECOND`` on, when that is sooner than
+    their budget's; the others always on their budget's (``trigger_of``).
 
     Every batch has its fixed cost whatever its rows (docs/cost-model.md, "Triggers that follow the rate", "A
     calm trigger for the demo's rate"): a calm input keeps the long trigger, which keeps the CPU within its
     budget at the demo's rate, and a busy one gets the short trigger, which cuts what a reading waits for the
     next batch."""
-    calm = trigger_of(settings)
+    calm, busy = trigger_of(settings), busy_trigger(settings)
 
     def trigger(spec: QuerySpec, rows_per_second: float) -> Trigger:
-        busy = busy_trigger(settings, node(spec.name))
-        if busy and rows_per_second >= settings.busy_rows_per_second:
+        if busy and node(spec.name).budget is Budget.SECONDS and rows_per_second >= settings.busy_rows_per_second:
             return busy
         return calm(spec)
 
@@ -307,19 +300,17 @@ def trigger_at(settings: Settings) -> Callable[[QuerySpec, float], Trigger]:
 def triggers_line(settings: Settings) -> str:
     """The triggers, for a stream's first line: which queries run how often (the ingest query sooner once
     enough records wait: ``ingest.landing.early_batches``)."""
-    groups: dict[str, list[str]] = {}
-    for n in TOPOLOGY:
-        groups.setdefault(_every(settings, n), []).append(n.name)
-    return "; ".join(f"{', '.join(names)} {every}" for every, names in groups.items())
+    by_budget = {b: [n.name for n in TOPOLOGY if n.budget is b] for b in Budget}
 
+    def every(budget: Budget) -> str:
+        interval = budget.interval(settings)
+        if budget is Budget.ARRIVAL and early_batches({"processingTime": interval}, settings):
+            return f"every {interval} or {settings.ingest_batch_records:,} records"
+        if budget is Budget.SECONDS and (busy := busy_trigger(settings)):
+            return f"every {interval} (every {busy['processingTime']} from {settings.busy_rows_per_second:,} rows/s)"
+        return f"every {interval}"
 
-def _every(settings: Settings, n: Node) -> str:
-    interval = n.budget.interval(settings)
-    if n.budget is Budget.ARRIVAL and early_batches({"processingTime": interval}, settings):
-        return f"every {interval} or {settings.ingest_batch_records:,} records"
-    if busy := busy_trigger(settings, n):
-        return f"every {interval} (every {busy['processingTime']} from {settings.busy_rows_per_second:,} rows/s)"
-    return f"every {interval}"
+    return "; ".join(f"{', '.join(names)} {every(b)}" for b, names in by_budget.items() if names)
 
 
 def pool_weights() -> dict[str, int]:
