@@ -130,6 +130,37 @@ def test_sessions_split_at_gaps_longer_than_the_session_gap(spark: SparkSession)
     ]
 
 
+def test_streamed_sessions_are_merged_in_each_partition_before_the_shuffle(
+    spark: SparkSession, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stream's sessions: each partition merges its readings into sessions before the shuffle (the
+    session's setting), so a row per session crosses it, not a row per reading; the sessions stay the batch's."""
+    rows = [(f"dev-{d}", float(s), 20.0 + s / 100, "on_time") for d in (1, 2) for s in [*range(0, 100, 5), 300, 310]]
+    silver = _silver(spark, rows)
+    silver.repartition(3).write.parquet(str(tmp_path / "silver"))
+    stream = (
+        spark.readStream.schema(silver.schema).parquet(str(tmp_path / "silver")).withWatermark("event_time", "1 minute")
+    )
+    streamed: list[DataFrame] = []
+    query = (
+        device_sessions(stream, SPEC)
+        .writeStream.outputMode("append")
+        .foreachBatch(lambda batch, _: streamed.append(batch.toPandas()))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    capsys.readouterr()
+    query.explain()  # the last batch's physical plan
+    plan = capsys.readouterr().out
+    assert plan.count("MergingSessions") == 2, plan  # merged in each partition, then after the shuffle
+    got = {(r.device_id, r.session_start, r.readings) for frame in streamed for r in frame.itertuples()}
+    batch = {(r.device_id, r.session_start, r.readings) for r in device_sessions(silver, SPEC).collect()}
+    assert got == {k for k in batch if k[1] < T0 + dt.timedelta(seconds=300)}  # the last ones are still open
+    assert len(got) == 2
+
+
 @pytest.mark.parametrize("compute", [tumbling_device_windows, device_windows, site_windows, device_sessions])
 def test_an_empty_input_gives_an_empty_table(spark: SparkSession, compute) -> None:
     assert compute(spark.createDataFrame([], SILVER_SCHEMA), SPEC).count() == 0
