@@ -515,6 +515,9 @@ def test_a_query_moves_to_the_trigger_its_inputs_rate_asks_for_between_two_batch
         moved_after = len(seen)
         wait_for(lambda: len(seen) >= moved_after + 4, 120, "four batches on the new trigger")
         (query,) = spark.streams.active
+        # A batch's progress is posted after its writer has run: wait for the progress itself, so that the last
+        # three are batches of the new trigger and not the new run's first, which starts at once.
+        wait_for(lambda: len(query.recentProgress) >= 4, 120, "four batches' progress on the new trigger")
         progress = query.recentProgress
     line = next(line for line in out.getvalue().splitlines() if line.startswith(moved))
     assert line.endswith("rows/s: every 2 seconds from now"), line
