@@ -6,6 +6,7 @@ import datetime as dt
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -141,7 +142,7 @@ def test_streamed_sessions_are_merged_in_each_partition_before_the_shuffle(
     stream = (
         spark.readStream.schema(silver.schema).parquet(str(tmp_path / "silver")).withWatermark("event_time", "1 minute")
     )
-    streamed: list[DataFrame] = []
+    streamed: list[pd.DataFrame] = []
     query = (
         device_sessions(stream, SPEC)
         .writeStream.outputMode("append")
